@@ -1,0 +1,36 @@
+# echonccl: `make test` and `make demo` set everything up from nothing (a venv in .venv).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+MPIEXEC ?= $(VENV)/bin/mpiexec
+NP     ?= 4
+NVCC   ?= nvcc
+
+.PHONY: setup test demo fatbin cuda-check gpu-test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+demo: setup
+	$(MPIEXEC) -n $(NP) $(PY) mpi_examples/demo_allreduce.py
+
+# Prebuilt kernels for sm_80 and sm_90 (used when present; NVRTC compiles them otherwise).
+fatbin:
+	NVCC=$(NVCC) bash tools/build_fatbin.sh
+
+# On a GPU machine with cupy, NCCL and an MPI already installed (the H200 image):
+#   make gpu-test PY=python3 MPIEXEC=mpirun
+gpu-test:
+	$(PY) -m pytest -q -ra tests/test_gpu_kernels.py tests/test_nccl_binding.py
+	$(MPIEXEC) --allow-run-as-root -x NCCL_NVLS_ENABLE=0 -n 2 $(PY) -m pytest -q -ra tests/gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info cuda_src/*.fatbin

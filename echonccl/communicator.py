@@ -1,0 +1,216 @@
+"""The array API: one `Communicator` per process, all-reducing arrays in 4 bits with error feedback."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from . import config as _config
+from . import dtypes
+from .errors import EchoncclError, MismatchError
+from .feedback import Feedback
+from .layout import Layout
+from .schedules import SCHEDULES
+
+
+@dataclass
+class Workspace:
+    """Wire buffers of one layout, owned by the communicator, reused by every call.
+
+    ``peers_out``/``peers_in``: P-1 slices each; ``gather``: P slices.
+    """
+
+    peers_out: object
+    peers_in: object
+    gather: object
+
+
+def _pick_engine(name: str, comm, cfg, device):
+    if name in ("gpu", "auto"):
+        try:
+            from .engine_gpu import GpuEngine, gpu_available
+        except ImportError as exc:
+            if name == "gpu":
+                raise EchoncclError(f"the GPU engine needs cupy: {exc}") from exc
+        else:
+            if name == "gpu" or gpu_available():
+                return GpuEngine(comm, cfg.timeout, device=device)
+    from .engine_cpu import CpuEngine
+
+    return CpuEngine(comm, cfg.timeout)
+
+
+class Communicator:
+    """An all-reduce communicator over the ranks of an MPI communicator.
+
+    Collective: every rank of ``comm`` (default ``MPI.COMM_WORLD``) constructs
+    it together, and calls its collectives in the same order with the same
+    sizes, dtypes and options. ``engine`` is ``"gpu"`` (CUDA kernels, NCCL),
+    ``"cpu"`` (numpy kernels, MPI) or ``"auto"`` (GPU when cupy sees one).
+    ``device`` picks the GPU (default: the node-local rank). Options may be
+    overridden by ``ECHONCCL_*`` variables (`config`). Call `close` when done.
+    """
+
+    def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
+                 crossover_bytes=None, timeout=None, device=None):
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+        self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
+                                      crossover_bytes=crossover_bytes, timeout=timeout)
+        self.engine = _pick_engine(self.config.engine, comm, self.config, device)
+        self.rank = self.engine.transport.rank
+        self.size = self.engine.transport.size
+        self._workspaces: dict[Layout, Workspace] = {}
+        self._defaults: dict[tuple, Feedback] = {}
+        self._checked: set = set()
+        self._closed = False
+        if _config.debug_enabled() and self.rank == 0:
+            print(f"echonccl INFO {_config.describe(self.config)} engine={self.engine.describe()} "
+                  f"ranks={self.size}", file=sys.stderr)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, stream=None):
+        """Sum ``x`` over all ranks into ``out`` and return ``out``.
+
+        ``x``: a float16/bfloat16/float32 array of the engine (numpy for the
+        CPU engine; cupy or any object with ``__cuda_array_interface__`` or
+        ``__dlpack__`` on this communicator's GPU for the GPU engine),
+        C-contiguous, any shape. ``out``: None (a new array), ``x`` itself
+        (in place), or an array of the same shape and dtype not overlapping
+        ``x``. ``feedback``: a `Feedback` shared by the calls whose outputs add
+        into one residual stream; None (default), the communicator's default state
+        for this (count, dtype); False, no feedback. ``algorithm``:
+        ``two_shot``, ``ring``, ``nccl`` (the plain baseline) or ``auto``.
+        ``stream``: the CUDA stream to run on (default: the current cupy
+        stream); the call returns without synchronizing the host.
+
+        Every rank gets a bitwise-identical result. NaN and Inf reach the
+        output of their group of ``group_size`` elements as NaN (`codec`).
+        """
+        self._check_open()
+        eng = self.engine
+        xa = eng.as_array(x)
+        name = dtypes.canonical(xa.dtype)
+        oa = self._output(x, xa, out)
+        algo = self._algorithm(algorithm, xa)
+        self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
+                                feedback is False))
+        with eng.stream_scope(stream):
+            xf, of = eng.flat(xa), eng.flat(oa)
+            if xa.size == 0:
+                pass
+            elif self.size == 1:
+                if oa is not xa:
+                    eng.copy(of, xf)
+            elif algo == "nccl":
+                eng.baseline_all_reduce(xf, of)
+            else:
+                layout = Layout(xa.size, self.size, self.config.group_size)
+                state = self._feedback(feedback, layout, name)
+                SCHEDULES[algo](eng.kernels, eng.transport, layout, xf, of, state,
+                                self._workspace(layout))
+        return out if out is not None else oa
+
+    def baseline_all_reduce(self, x, out=None, *, stream=None):
+        """The plain sum (NCCL's ncclAllReduce on GPU, MPI on CPU), for baselines and small sizes."""
+        return self.all_reduce(x, out, feedback=False, algorithm="nccl", stream=stream)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until this rank's queued collectives have finished (GPU: the current stream).
+        A peer that stops answering raises `PeerTimeoutError` after ``timeout`` seconds
+        (default: the communicator's) instead of hanging; the NCCL communicator is then aborted."""
+        self.engine.synchronize(timeout)
+
+    # -- feedback --------------------------------------------------------------------------------
+    def new_feedback(self, residual_dtype: str = "float32") -> Feedback:
+        """A fresh, unbound `Feedback`; bound (and allocated) by its first call."""
+        return Feedback(residual_dtype)
+
+    def load_feedback(self, state: dict) -> Feedback:
+        """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine."""
+        fb = Feedback(state["residual_dtype"], state["enabled"])
+        fb.load_state_dict(state, zeros=self.engine.zeros)
+        return fb
+
+    def default_feedback(self, count: int, dtype) -> Feedback:
+        """The state used when a call passes no ``feedback`` (one per count and dtype)."""
+        key = (int(count), dtypes.canonical(dtype))
+        return self._defaults.setdefault(key, Feedback())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release buffers and the engine's resources (NCCL communicator). Not collective on CPU;
+        on GPU every rank should close. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._workspaces.clear()
+            self._defaults.clear()
+            self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise EchoncclError("communicator is closed")
+
+    def _output(self, x_obj, xa, out):
+        eng = self.engine
+        if out is None:
+            return eng.empty_like(xa)
+        if out is x_obj:
+            return xa
+        oa = eng.as_array(out)
+        if oa.shape != xa.shape or oa.dtype != xa.dtype:
+            raise ValueError(f"out has shape {oa.shape} and dtype {oa.dtype}, "
+                             f"x has {xa.shape} and {xa.dtype}: they must match")
+        if eng.overlaps(oa, xa):
+            if eng.same_memory(oa, xa):
+                return xa
+            raise ValueError("out overlaps x partly: pass out=x for in place, or separate memory")
+        return oa
+
+    def _algorithm(self, algorithm, xa) -> str:
+        algo = algorithm or self.config.algorithm
+        if algo not in _config.ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {_config.ALGORITHMS}, got {algo!r}")
+        if algo != "auto":
+            return algo
+        cross = self.config.crossover_bytes
+        if cross is None:
+            cross = self.engine.crossover_bytes(self.size)
+        return "nccl" if xa.nbytes < cross else self.engine.preferred_schedule(self.size)
+
+    def _check_consistent(self, key) -> None:
+        """Once per distinct call signature: all ranks must agree on it (one small allgather)."""
+        if key in self._checked or self.size == 1:
+            return
+        keys = self.engine.allgather_object(key)
+        if any(k != keys[0] for k in keys):
+            detail = "; ".join(f"rank {r}: count={k[1]} dtype={k[2]} algorithm={k[3]} group={k[4]}"
+                               f"{' no feedback' if k[5] else ''}" for r, k in enumerate(keys))
+            raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
+        self._checked.add(key)
+
+    def _feedback(self, feedback, layout, name):
+        if feedback is False:
+            return None
+        fb = self.default_feedback(layout.count, name) if feedback is None else feedback
+        if not isinstance(fb, Feedback):
+            raise TypeError(f"feedback must be a Feedback, False or None, not {type(fb).__name__}")
+        key = (layout.count, layout.nranks, layout.group, name)
+        return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+
+    def _workspace(self, layout: Layout) -> Workspace:
+        ws = self._workspaces.get(layout)
+        if ws is None:
+            P, B = layout.nranks, layout.slice_bytes
+            e = self.engine
+            ws = Workspace(e.empty_bytes((P - 1) * B), e.empty_bytes((P - 1) * B), e.empty_bytes(P * B))
+            self._workspaces[layout] = ws
+        return ws

@@ -1,0 +1,67 @@
+"""Configuration: keyword arguments first, ``ECHONCCL_*`` environment variables override them.
+
+| variable                  | meaning                                              | default |
+|---------------------------|------------------------------------------------------|---------|
+| ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
+| ECHONCCL_ALGO             | two_shot, ring, nccl (plain all-reduce) or auto      | auto    |
+| ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
+| ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
+| ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
+| ECHONCCL_DEBUG            | INFO logs the resolved configuration once at init    | unset   |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from . import codec
+
+ALGORITHMS = ("two_shot", "ring", "nccl", "auto")
+ENGINES = ("cpu", "gpu", "auto")
+
+
+@dataclass
+class Config:
+    engine: str = "auto"
+    algorithm: str = "auto"
+    group_size: int = codec.DEFAULT_GROUP_SIZE
+    crossover_bytes: int | None = None
+    timeout: float = 300.0
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        codec.check_group_size(self.group_size)
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+
+_ENV = {
+    "engine": ("ECHONCCL_ENGINE", str),
+    "algorithm": ("ECHONCCL_ALGO", str),
+    "group_size": ("ECHONCCL_GROUP_SIZE", int),
+    "crossover_bytes": ("ECHONCCL_CROSSOVER_BYTES", int),
+    "timeout": ("ECHONCCL_TIMEOUT", float),
+}
+
+
+def resolve(**kwargs) -> Config:
+    """A `Config` from keyword arguments (None means default), overridden by the environment."""
+    values = {k: v for k, v in kwargs.items() if v is not None}
+    for name, (var, conv) in _ENV.items():
+        if os.environ.get(var):
+            try:
+                values[name] = conv(os.environ[var])
+            except ValueError:
+                raise ValueError(f"{var}={os.environ[var]!r} is not a valid {conv.__name__}") from None
+    return Config(**values)
+
+
+def describe(cfg: Config) -> str:
+    return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in fields(cfg))
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("ECHONCCL_DEBUG", "").upper() in ("INFO", "TRACE")

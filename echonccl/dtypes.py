@@ -1,0 +1,25 @@
+"""The element types echonccl reduces, by name, for numpy and for CUDA."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+SUPPORTED = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+CUDA_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def canonical(dtype) -> str:
+    """Name of a supported dtype; `TypeError` naming the supported ones otherwise."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    name = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(name, name)
+    if name not in SUPPORTED:
+        raise TypeError(f"echonccl reduces float16, bfloat16 and float32 arrays, not {name}")
+    return name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return SUPPORTED[canonical(name)]

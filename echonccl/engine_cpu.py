@@ -1,0 +1,86 @@
+"""The CPU engine: numpy kernels over an mpi4py transport. The reference; runs anywhere."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import dtypes
+from .kernels_numpy import NumpyKernels
+from .transport_mpi import MpiTransport, allgather_object, wait_all
+
+
+class CpuEngine:
+    """Engine on host numpy arrays. Every operation completes before it returns."""
+
+    name = "cpu"
+    baseline_name = "MPI"
+
+    def __init__(self, comm, timeout: float):
+        self.comm = comm
+        self.timeout = timeout
+        self.kernels = NumpyKernels()
+        self.transport = MpiTransport(comm, timeout)
+
+    def describe(self) -> str:
+        return "cpu (numpy kernels, MPI transport)"
+
+    def zeros(self, n: int, dtype) -> np.ndarray:
+        return np.zeros(n, dtype=np.dtype(dtype))
+
+    def empty_bytes(self, n: int) -> np.ndarray:
+        return np.empty(n, dtype=np.uint8)
+
+    def as_array(self, x) -> np.ndarray:
+        """The caller's array itself (numpy); `TypeError` for anything else."""
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"the CPU engine takes numpy arrays, not {type(x).__name__}")
+        dtypes.canonical(x.dtype)
+        return x
+
+    def flat(self, a: np.ndarray) -> np.ndarray:
+        """A 1-D view of a C-contiguous array; `ValueError` if no view exists."""
+        if not a.flags.c_contiguous:
+            raise ValueError("echonccl needs C-contiguous arrays (pass np.ascontiguousarray(x))")
+        return a.reshape(-1)
+
+    def empty_like(self, a):
+        return np.empty_like(a)
+
+    def copy(self, dst, src) -> None:
+        np.copyto(dst, src)
+
+    def overlaps(self, a, b) -> bool:
+        return np.shares_memory(a, b)
+
+    def same_memory(self, a, b) -> bool:
+        return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+    def crossover_bytes(self, nranks: int) -> int:
+        """Below this input size ``auto`` uses the baseline. The CPU engine is the reference: always 4-bit."""
+        return 0
+
+    def preferred_schedule(self, nranks: int) -> str:
+        return "two_shot"
+
+    def stream_scope(self, stream):
+        return contextlib.nullcontext()
+
+    def allgather_object(self, obj):
+        return allgather_object(self.comm, obj, self.timeout)
+
+    def baseline_all_reduce(self, x: np.ndarray, out: np.ndarray) -> None:
+        """MPI's sum (in float32, rounded once to the dtype): the CPU engine's baseline."""
+        from mpi4py import MPI
+
+        acc = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        res = np.empty_like(acc)
+        wait_all([self.comm.Iallreduce(acc, res, op=MPI.SUM)], self.timeout, "baseline all-reduce")
+        out.reshape(-1)[...] = res.astype(out.dtype)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Nothing to wait for: CPU calls complete before they return."""
+
+    def close(self) -> None:
+        pass
+

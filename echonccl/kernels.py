@@ -1,0 +1,38 @@
+"""The kernel interface every engine implements (numpy: `kernels_numpy`, CUDA: `kernels_cuda`).
+
+Two operations are enough for both schedules:
+
+``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype)``
+    Sum, in float32 and in this order, the decoded slices of ``incoming`` (a
+    wire buffer of ``n_in`` consecutive slices, or None for ``n_in = 0``) with
+    this rank's own contribution ``own`` inserted at position ``own_pos``
+    (``0 <= own_pos <= n_in``); add ``residual``; quantize into ``wire_out``
+    (one slice); and store the new residual, ``sum - ref`` with ``ref`` the
+    decoded value rounded through ``ref_dtype``, back into ``residual``.
+
+    * ``own``: 1-D view of the caller's input, float16/bfloat16/float32,
+      length at most ``layout.slice_elems`` (the rest counts as zeros).
+    * ``residual``: ``layout.slice_elems`` elements (float32 or the input
+      dtype), read and overwritten; None when feedback is off.
+    * ``wire_out``: ``layout.slice_bytes`` bytes, overwritten.
+
+    Quantizing a contribution for a peer is the case ``n_in = 0``; a ring hop
+    is ``n_in = 1, own_pos = 1``; the two-shot owner is ``n_in = P - 1,
+    own_pos = rank``.
+
+``dequantize(layout, wire, out)``
+    Decode the consecutive slices of ``wire`` into ``out`` (1-D, the output
+    dtype, at most as long as the slices hold), rounding to nearest even.
+
+Both run in the engine's stream order (numpy: at once). Buffers stay owned
+by the caller; kernels allocate only scratch that dies with the call.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Kernels(Protocol):
+    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype) -> None: ...
+
+    def dequantize(self, layout, wire, out) -> None: ...

@@ -1,0 +1,55 @@
+"""The CPU engine's kernels: the numpy reference of the three codec steps.
+
+Every kernel works on one rank's buffers (numpy arrays, owned by the caller)
+and follows `codec`'s arithmetic exactly; the CUDA kernels must match these
+bit for bit. The contract of each method is the one of `kernels.Kernels`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import codec
+from .layout import Layout
+
+_F32 = np.dtype(np.float32)
+
+
+def _padded_f32(own: np.ndarray, n: int) -> np.ndarray:
+    v = np.zeros(n, dtype=_F32)
+    v[: own.size] = own
+    return v
+
+
+class NumpyKernels:
+    """numpy implementation of `kernels.Kernels` (host memory, synchronous)."""
+
+    def reduce_quantize(self, layout: Layout, incoming, own_pos: int, own: np.ndarray,
+                        residual, wire_out: np.ndarray, ref_dtype) -> None:
+        S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
+        n_in = 0 if incoming is None else incoming.size // B
+        terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G) for i in range(n_in)]
+        terms.insert(own_pos, _padded_f32(own, S))
+        acc = terms[0].copy()
+        with np.errstate(invalid="ignore", over="ignore"):
+            for t in terms[1:]:
+                acc += t
+            if residual is not None:
+                acc += residual.astype(_F32)
+        q, scale = codec.quantize_groups(acc, G)
+        codes, scales = codec.split_wire(wire_out, S)
+        codes[:] = codec.pack_codes(q)
+        scales[:] = scale
+        if residual is not None:
+            ref = codec.dequantize_groups(q, scale, G)
+            if np.dtype(ref_dtype) != _F32:
+                ref = ref.astype(ref_dtype).astype(_F32)
+            residual[:] = codec.residual_of(acc, ref, residual.dtype)
+
+    def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray) -> None:
+        S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
+        n = wire.size // B
+        w = wire[: n * B].reshape(n, B)
+        q = codec.unpack_codes(np.ascontiguousarray(w[:, : S // 2]).reshape(-1))
+        scale = np.ascontiguousarray(w[:, S // 2:]).view(codec.SCALE_DTYPE).reshape(-1)
+        values = codec.dequantize_groups(q, scale, G)
+        out[:] = values[: out.size].astype(out.dtype)

@@ -1,0 +1,53 @@
+"""How one all-reduce cuts a tensor into per-rank slices and wire buffers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import codec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The slicing of ``count`` elements over ``nranks`` ranks with group size ``group``.
+
+    Rank ``s`` owns elements ``bounds(s)``; every slice has ``slice_elems``
+    elements once zero-padded (a multiple of `codec.SLICE_QUANTUM`), and
+    ``slice_bytes`` bytes on the wire. A *wire buffer* of ``n`` slices is
+    ``n * slice_bytes`` contiguous bytes, slice ``i`` at ``wire_slot(i)``.
+    """
+
+    count: int
+    nranks: int
+    group: int
+
+    def __post_init__(self):
+        if self.count < 0 or self.nranks < 1:
+            raise ValueError(f"bad layout: count={self.count} nranks={self.nranks}")
+        codec.check_group_size(self.group)
+
+    @property
+    def slice_elems(self) -> int:
+        q = codec.SLICE_QUANTUM
+        per_rank = -(-self.count // self.nranks)
+        return max(q, -(-per_rank // q) * q)
+
+    @property
+    def slice_bytes(self) -> int:
+        return codec.slice_bytes(self.slice_elems, self.group)
+
+    @property
+    def padded(self) -> int:
+        return self.slice_elems * self.nranks
+
+    def bounds(self, s: int) -> tuple[int, int]:
+        """Element range ``[lo, hi)`` of slice ``s`` inside the unpadded tensor (may be empty)."""
+        lo = min(s * self.slice_elems, self.count)
+        return lo, min(lo + self.slice_elems, self.count)
+
+    def wire_slot(self, s: int) -> slice:
+        return slice(s * self.slice_bytes, (s + 1) * self.slice_bytes)
+
+    @property
+    def wire_bytes_per_rank(self) -> int:
+        """Bytes each rank sends in one two-shot or ring all-reduce: 2 (P-1) slices."""
+        return 2 * (self.nranks - 1) * self.slice_bytes

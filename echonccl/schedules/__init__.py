@@ -1,0 +1,19 @@
+"""All-reduce schedules, each written once over `kernels.Kernels` and `transport.Transport`.
+
+A schedule is a function ``run(k, t, layout, x, out, state, ws)``:
+
+* ``k``, ``t``: the engine's kernels and transport;
+* ``x``: the caller's flat input (``layout.count`` elements), read only;
+* ``out``: the flat output (same length; may be ``x`` itself), written last;
+* ``state``: `feedback.Residuals` (``inputs``: ``layout.padded`` elements,
+  ``output``: ``layout.slice_elems``) or None when feedback is off;
+* ``ws``: `Workspace` wire buffers owned by the communicator.
+
+Schedules never call numpy or cupy: they slice buffers and call ``k`` and ``t``.
+"""
+from .two_shot import two_shot
+from .ring import ring
+
+SCHEDULES = {"two_shot": two_shot, "ring": ring}
+
+__all__ = ["SCHEDULES", "two_shot", "ring"]

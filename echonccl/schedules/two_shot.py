@@ -1,0 +1,38 @@
+"""Two-shot all-reduce: reduce-scatter to slice owners, then all-gather of the owners' codes."""
+from __future__ import annotations
+
+
+def two_shot(k, t, layout, x, out, state, ws) -> None:
+    """Each rank quantizes its contribution to every peer's slice and sends it to
+    that owner; the owner sums, in float32 and rank order, the decoded peer
+    slices with its own slice taken exactly, adds its output residual,
+    quantizes once and sends the codes to everyone; all ranks decode all
+    slices, so every rank's output is bitwise identical.
+
+    ``ws.peers_out`` and ``ws.peers_in`` hold P-1 slots, peer ``s`` in slot
+    ``s`` if ``s < rank`` else ``s - 1``; ``ws.gather`` holds P slots.
+    """
+    r, P, L = t.rank, t.size, layout
+    peers = [s for s in range(P) if s != r]
+    slot = L.wire_slot
+
+    for i, s in enumerate(peers):
+        lo, hi = L.bounds(s)
+        k.reduce_quantize(L, None, 0, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)], "float32")
+    t.exchange([(s, ws.peers_out[slot(i)]) for i, s in enumerate(peers)],
+               [(s, ws.peers_in[slot(i)]) for i, s in enumerate(peers)])
+
+    lo, hi = L.bounds(r)
+    k.reduce_quantize(L, ws.peers_in, r, x[lo:hi], None if state is None else state.output,
+                      ws.gather[slot(r)], out.dtype)
+    t.exchange([(s, ws.gather[slot(r)]) for s in peers],
+               [(s, ws.gather[slot(s)]) for s in peers])
+    k.dequantize(L, ws.gather, out)
+
+
+def _part(state, s, layout):
+    """Slice ``s`` of the input residual, or None when feedback is off."""
+    if state is None:
+        return None
+    n = layout.slice_elems
+    return state.inputs[s * n:(s + 1) * n]

@@ -1,0 +1,25 @@
+"""The transport interface every engine implements (mpi4py: `transport_mpi`, NCCL: `transport_nccl`).
+
+``exchange(sends, recvs)``
+    One grouped round of point-to-point transfers: ``sends`` and ``recvs`` are
+    sequences of ``(peer_rank, buffer)`` with ``buffer`` a contiguous 1-D uint8
+    array of the engine (numpy or device memory). All transfers of the round
+    may proceed concurrently, so a call never deadlocks on ordering. When the
+    call returns, in the engine's stream order, every recv buffer holds its
+    data and every send buffer may be reused. Messages between one pair of
+    ranks are matched in call order, so every rank must issue the same rounds.
+
+``rank`` and ``size`` identify this process in the group.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, Tuple, Any
+
+Transfer = Tuple[int, Any]
+
+
+class Transport(Protocol):
+    rank: int
+    size: int
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None: ...

@@ -1,0 +1,42 @@
+"""Shared test helpers: launching multi-rank programs under mpiexec."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+def mpi_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", NCCL_NVLS_ENABLE="0",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_mpi(n: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python args...`` from the repo root; fail the test on a timeout."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (install the mpich wheel: make test does)")
+    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s\n{exc.stdout}\n{exc.stderr}")
+
+
+@pytest.fixture
+def mpirun():
+    return run_mpi

@@ -1,0 +1,268 @@
+"""Multi-rank checks, run as ``mpiexec -n N python tests/mpi/checks.py CHECK [ENGINE]``.
+
+Each check asserts on every rank and prints ``OK <check>`` on rank 0; the
+pytest wrappers in tests/test_multirank.py launch them and read that line.
+The engine defaults to cpu; ``gpu`` runs the same checks on CUDA + NCCL.
+"""
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import echonccl
+from echonccl import dtypes
+
+WORLD = MPI.COMM_WORLD
+RANK, P = WORLD.Get_rank(), WORLD.Get_size()
+ALGOS = ("two_shot", "ring")
+ENGINE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+
+
+def to_engine(a: np.ndarray):
+    if ENGINE == "gpu":
+        import cupy
+
+        return cupy.asarray(a)
+    return a
+
+
+def to_host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def rank_data(n: int, dtype, seed: int, scale=1.0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * seed + RANK)
+    return (rng.standard_normal(n) * scale).astype(dtypes.numpy_dtype(dtype))
+
+
+def exact_sum(x: np.ndarray) -> np.ndarray:
+    return WORLD.allreduce(x.astype(np.float64))
+
+
+def assert_identical_across_ranks(y: np.ndarray, what: str) -> None:
+    blobs = WORLD.allgather(y.tobytes())
+    assert all(b == blobs[0] for b in blobs), f"{what}: outputs differ between ranks"
+
+
+def group_amax(x64: np.ndarray, group: int, padded: int) -> np.ndarray:
+    v = np.zeros(padded)
+    v[: x64.size] = np.abs(x64)
+    return np.repeat(v.reshape(-1, group).max(axis=1), group)[: x64.size]
+
+
+def check_identical_and_bounded():
+    """Both schedules, every dtype, odd sizes, in and out of place: identical on all ranks and
+    within the documented per-element bound of the exact fp64 sum."""
+    comm = echonccl.Communicator(engine=ENGINE)
+    G = comm.config.group_size
+    for algo in ALGOS:
+        for dt in ("float32", "float16", "bfloat16"):
+            for n in (1, 7, 513, 5000, 100_003):
+                x = rank_data(n, dt, seed=n)
+                exact = exact_sum(x)
+                xe = to_engine(x)
+                y = to_host(comm.all_reduce(xe, feedback=False, algorithm=algo))
+                yi = to_engine(x.copy())
+                comm.all_reduce(yi, yi, feedback=False, algorithm=algo)
+                assert to_host(yi).tobytes() == y.tobytes(), f"{algo} {dt} n={n}: in-place differs"
+                assert_identical_across_ranks(y, f"{algo} {dt} n={n}")
+                layout = echonccl.Layout(n, P, G)
+                amax_sum = WORLD.allreduce(group_amax(x.astype(np.float64), G, layout.padded))
+                hops = 2 if algo == "two_shot" else P
+                bound = hops * (1 + 1 / 7) ** P * amax_sum / 14 + np.abs(exact) * 2.0 ** -7 + 1e-30
+                err = np.abs(y.astype(np.float64) - exact)
+                worst = float(np.max(err / bound))
+                assert worst <= 1.0, f"{algo} {dt} n={n}: error {worst:.3f} of the bound"
+    comm.close()
+
+
+def check_telescoping():
+    """Over T calls sharing a Feedback: sum(out) - sum(exact) == -(all residuals), up to fp32 rounding."""
+    comm = echonccl.Communicator(engine=ENGINE)
+    n, T = 3000, 40
+    for algo in ALGOS:
+        fb = comm.new_feedback()
+        acc_out = np.zeros(n)
+        acc_exact = np.zeros(n)
+        for t in range(T):
+            x = rank_data(n, "float32", seed=t)
+            acc_exact += exact_sum(x)
+            acc_out += to_host(comm.all_reduce(to_engine(x), feedback=fb, algorithm=algo)).astype(np.float64)
+        state = fb.state_dict()
+        e_in = WORLD.allreduce(state["inputs"].astype(np.float64))
+        e_out = np.concatenate(WORLD.allgather(state["output"].astype(np.float64)))
+        residual = (e_in + e_out)[:n]
+        gap = acc_out - acc_exact + residual
+        # each call rounds a handful of fp32 additions of magnitude ~P: about 1e-6 each
+        tol = 2.0 ** -22 * T * P * 2
+        worst = np.max(np.abs(gap))
+        if RANK == 0:
+            print(f"{algo}: telescoping gap {worst:.3g} (tolerance {tol:.3g}), residual {np.max(np.abs(residual)):.3g}")
+        assert worst <= tol, f"{algo}: telescoping gap {worst:.3g} > {tol:.3g}"
+        assert np.max(np.abs(residual)) > 1000 * tol, f"{algo}: residuals too small for the test to mean anything"
+    comm.close()
+
+
+def check_depth():
+    """Error of the accumulated sum after T calls: bounded with feedback, growing without."""
+    comm = echonccl.Communicator(engine=ENGINE)
+    n, T = 4096, 256
+    rng = np.random.default_rng(7 + RANK)
+    base = rng.standard_normal(n)
+    for algo in ALGOS:
+        errs = {}
+        for use_fb in (True, False):
+            fb = comm.new_feedback() if use_fb else False
+            acc_out, acc_exact, curve = np.zeros(n), np.zeros(n), []
+            for t in range(T):
+                x = (base + 0.1 * rng.standard_normal(n)).astype(np.float32)
+                acc_exact += exact_sum(x)
+                acc_out += to_host(comm.all_reduce(to_engine(x), feedback=fb, algorithm=algo))
+                curve.append(np.linalg.norm(acc_out - acc_exact))
+            errs[use_fb] = np.array(curve)
+        with_fb, without = errs[True], errs[False]
+        if RANK == 0:
+            print(f"{algo}: accumulated error at T=1,16,256: feedback {with_fb[0]:.3g} {with_fb[15]:.3g} "
+                  f"{with_fb[-1]:.3g}; none {without[0]:.3g} {without[15]:.3g} {without[-1]:.3g}")
+        assert with_fb.max() <= 2.0 * with_fb[0], f"{algo}: feedback error grew to {with_fb.max() / with_fb[0]:.2f}x"
+        assert without[-1] >= 20 * without[0], f"{algo}: plain error grew only {without[-1] / without[0]:.1f}x"
+    comm.close()
+
+
+def check_special_values():
+    """NaN/Inf reach their group's output as non-finite on every rank; other groups stay finite;
+    the feedback state stays finite; huge and tiny values survive."""
+    comm = echonccl.Communicator(engine=ENGINE)
+    G = comm.config.group_size
+    for algo in ALGOS:
+        for dt in ("float32", "bfloat16", "float16"):
+            fb = comm.new_feedback()
+            n = 8 * G * P
+            x = rank_data(n, dt, seed=3)
+            if RANK == 0:
+                x[5] = np.nan
+            if RANK == P - 1:
+                x[3 * G + 1] = np.inf
+            y = to_host(comm.all_reduce(to_engine(x), feedback=fb, algorithm=algo))
+            assert_identical_across_ranks(y, f"{algo} {dt} special")
+            bad = ~np.isfinite(y.astype(np.float32))
+            assert bad[:G].all() and bad[3 * G:4 * G].all(), f"{algo} {dt}: non-finite lost"
+            assert bad.sum() == 2 * G, f"{algo} {dt}: {bad.sum()} non-finite, want {2 * G}"
+            st = fb.state_dict()
+            assert np.isfinite(st["inputs"].astype(np.float32)).all() and np.isfinite(st["output"].astype(np.float32)).all()
+            x2 = rank_data(n, dt, seed=4)
+            y2 = to_host(comm.all_reduce(to_engine(x2), feedback=fb, algorithm=algo))
+            assert np.isfinite(y2.astype(np.float32)).all(), f"{algo} {dt}: NaN poisoned the next call"
+            big = np.zeros(n, dtype=dtypes.numpy_dtype(dt))
+            dmax = float(ml_dtypes.finfo(big.dtype).max)
+            big[:G] = dmax if RANK == 0 else 0
+            big[G:2 * G] = 1e-30 if dt != "float16" else 1e-7
+            y3 = to_host(comm.all_reduce(to_engine(big), feedback=False, algorithm=algo)).astype(np.float64)
+            assert np.isfinite(y3).all(), f"{algo} {dt}: huge value overflowed"
+            assert np.all(y3[:G] == dmax), f"{algo} {dt}: max not kept"
+            assert np.all(y3[G:2 * G] > 0), f"{algo} {dt}: tiny values collapsed to zero"
+    comm.close()
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equal, except that any NaN matches any NaN (payloads may differ between engines)."""
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    nan = np.isnan(a32)
+    return bool(np.array_equal(nan, np.isnan(b32)) and a[~nan].tobytes() == b[~nan].tobytes())
+
+
+def check_matches_reference():
+    """GPU engine == CPU engine bit for bit: outputs and both residuals, over several calls
+    with feedback, every dtype and residual dtype, odd sizes, special values."""
+    gpu = echonccl.Communicator(engine="gpu")
+    cpu = echonccl.Communicator(engine="cpu")
+    for algo in ALGOS:
+        for dt in ("bfloat16", "float16", "float32"):
+            for rdt in ("float32", "input"):
+                for n in (1, 1000, 5000, 100_003, (1 << 20) + 3):
+                    fg, fc = gpu.new_feedback(rdt), cpu.new_feedback(rdt)
+                    for t in range(3):
+                        x = rank_data(n, dt, seed=t)
+                        if t == 1 and n > 200:
+                            x[17] = np.nan if RANK == 0 else x[17]
+                            x[100] = np.inf if RANK == P - 1 else x[100]
+                            x[150:160] = 1e-30 if dt != "float16" else 1e-7
+                        yg = to_host(gpu.all_reduce(to_engine(x), feedback=fg, algorithm=algo))
+                        yc = cpu.all_reduce(x, feedback=fc, algorithm=algo)
+                        what = f"{algo} {dt} res={rdt} n={n} call={t}"
+                        assert same_bits(yg, yc), f"{what}: GPU output differs from the reference"
+                        sg, sc = fg.state_dict(), fc.state_dict()
+                        assert sg["inputs"].tobytes() == sc["inputs"].tobytes(), f"{what}: input residual differs"
+                        assert sg["output"].tobytes() == sc["output"].tobytes(), f"{what}: output residual differs"
+                        assert_identical_across_ranks(np.nan_to_num(yg.astype(np.float32)), what)
+    gpu.close()
+    cpu.close()
+
+
+def check_graph_replay():
+    """An all-reduce captured in a CUDA graph and replayed gives what eager calls give."""
+    import cupy
+
+    comm = echonccl.Communicator(engine="gpu")
+    n = (1 << 22) + 5
+    for algo in ALGOS:
+        x = cupy.asarray(rank_data(n, "bfloat16", seed=11))
+        out = cupy.empty_like(x)
+        eager_fb, graph_fb = comm.new_feedback(), comm.new_feedback()
+        comm.all_reduce(x, out, feedback=eager_fb, algorithm=algo)   # warm-up binds state and workspace
+        comm.all_reduce(x, out, feedback=graph_fb, algorithm=algo)
+        eager_fb.reset()
+        graph_fb.reset()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            comm.all_reduce(x, out, feedback=graph_fb, algorithm=algo)
+            graph = stream.end_capture()
+        results = []
+        for _ in range(3):
+            with stream:
+                graph.launch(stream)
+            stream.synchronize()
+            results.append(out.get())
+        expect = []
+        for _ in range(3):
+            expect.append(comm.all_reduce(x, feedback=eager_fb, algorithm=algo).get())
+        for g, e in zip(results, expect):
+            assert same_bits(g, e), f"{algo}: graph replay differs from eager calls"
+        assert not same_bits(results[0], results[1]), f"{algo}: replays did not carry the feedback state"
+    comm.close()
+
+
+def check_torch_interop():
+    """PyTorch tensors in and out through DLPack / the CUDA array interface, echonccl importing no torch."""
+    import torch
+
+    comm = echonccl.Communicator(engine="gpu")
+    cpu = echonccl.Communicator(engine="cpu")
+    assert "torch" not in {m.split(".")[0] for m in sys.modules if m.startswith("echonccl")}
+    for dt in ("bfloat16", "float16", "float32"):
+        x = rank_data(4099, dt, seed=5)
+        expect = cpu.all_reduce(x, feedback=False)
+        t = torch.from_numpy(x.view(np.uint16) if dt == "bfloat16" else x)
+        t = (t.view(torch.bfloat16) if dt == "bfloat16" else t).to(f"cuda:{comm.engine.device.id}")
+        comm.all_reduce(t, t, feedback=False)                       # in place on the tensor
+        torch.cuda.synchronize()
+        got = t.cpu()
+        got = got.view(torch.uint16).numpy().view(x.dtype) if dt == "bfloat16" else got.numpy()
+        assert same_bits(got, expect), f"torch {dt}: differs from the reference"
+    comm.close()
+    cpu.close()
+
+
+CHECKS = {f.__name__[len("check_"):]: f for f in
+          (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
+           check_matches_reference, check_graph_replay, check_torch_interop)}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
+    WORLD.Barrier()
+    if RANK == 0:
+        print(f"OK {sys.argv[1]} ranks={P} engine={ENGINE}", flush=True)

@@ -1,0 +1,100 @@
+"""The Communicator and Feedback API in one process (P = 1, MPI.COMM_SELF) on the CPU engine."""
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import echonccl
+from echonccl import EchoncclError
+
+
+@pytest.fixture
+def comm():
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
+        yield c
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_single_rank_returns_input_unchanged(comm, dtype):
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(dtype)
+    y = comm.all_reduce(x)
+    assert y is not x and y.tobytes() == x.tobytes() and y.shape == x.shape
+    z = comm.all_reduce(x, x)
+    assert z is x
+
+
+def test_rejects_non_float_dtype(comm):
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        comm.all_reduce(np.arange(10))
+
+
+def test_rejects_non_contiguous(comm):
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.all_reduce(np.zeros((4, 4), np.float32)[:, ::2])
+
+
+def test_rejects_mismatched_and_partly_overlapping_out(comm):
+    x = np.zeros(1024, np.float32)
+    with pytest.raises(ValueError, match="must match"):
+        comm.all_reduce(x, np.zeros(1024, np.float16))
+    with pytest.raises(ValueError, match="overlaps x partly"):
+        comm.all_reduce(x[:512], x[256:768])
+
+
+def test_empty_input_gives_empty_output(comm):
+    y = comm.all_reduce(np.zeros(0, np.float32))
+    assert y.size == 0
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="group size"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=48)
+    with pytest.raises(ValueError, match="algorithm"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", algorithm="tree")
+
+
+def test_environment_overrides_keywords(monkeypatch):
+    monkeypatch.setenv("ECHONCCL_GROUP_SIZE", "128")
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=32) as c:
+        assert c.config.group_size == 128
+
+
+def test_closed_communicator_refuses(comm):
+    comm.close()
+    with pytest.raises(EchoncclError, match="closed"):
+        comm.all_reduce(np.zeros(4, np.float32))
+
+
+def test_feedback_binds_to_one_layout():
+    L = echonccl.Layout(1000, 2, 32)
+    fb = echonccl.Feedback()
+    res = fb.bind((1000, 2, 32, "float32"), L, np.dtype(np.float32), np.zeros)
+    assert res.inputs.shape == (L.padded,) and res.output.shape == (L.slice_elems,)
+    with pytest.raises(EchoncclError, match="bound to"):
+        fb.bind((2000, 2, 32, "float32"), echonccl.Layout(2000, 2, 32), np.dtype(np.float32), np.zeros)
+
+
+def test_feedback_reset_save_load_and_off():
+    L = echonccl.Layout(1000, 2, 32)
+    key = (1000, 2, 32, "bfloat16")
+    fb = echonccl.Feedback(residual_dtype="input")
+    res = fb.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros)
+    assert res.inputs.dtype == ml_dtypes.bfloat16
+    res.inputs[:] = 1.5
+    saved = fb.state_dict()
+    fb.reset()
+    assert not res.inputs.astype(np.float32).any()
+    fb.load_state_dict(saved)
+    assert np.all(res.inputs.astype(np.float32) == 1.5)
+    fresh = echonccl.Feedback()
+    fresh.load_state_dict(saved, zeros=np.zeros)
+    assert fresh.key == key and np.all(fresh.residuals.inputs.astype(np.float32) == 1.5)
+    off = echonccl.Feedback(enabled=False)
+    assert off.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros) is None
+
+
+def test_unbound_load_needs_allocator():
+    fb = echonccl.Feedback()
+    fb.bind((10, 2, 32, "float32"), echonccl.Layout(10, 2, 32), np.dtype(np.float32), np.zeros)
+    with pytest.raises(EchoncclError, match="allocator"):
+        echonccl.Feedback().load_state_dict(fb.state_dict())

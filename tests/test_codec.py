@@ -1,0 +1,131 @@
+"""The wire format and the reference codec (echonccl/codec.py)."""
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from echonccl import codec
+from echonccl.kernels_numpy import NumpyKernels
+from echonccl.layout import Layout
+
+S = codec.SLICE_QUANTUM
+
+
+def roundtrip(v, group):
+    return codec.decode(codec.encode(v, group), v.size, group)
+
+
+def step_of(v, group):
+    _, scale = codec.quantize_groups(v.astype(np.float32), group)
+    return np.repeat(scale, group)
+
+
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers", "constant", "alternating"])
+def test_roundtrip_within_half_a_step(group, kind):
+    rng = np.random.default_rng(0)
+    v = {"normal": rng.standard_normal(S),
+         "heavy": rng.standard_t(2, S),
+         "outliers": rng.standard_normal(S) * np.where(rng.random(S) < 0.01, 100, 1),
+         "constant": np.full(S, 3.3),
+         "alternating": np.tile([1e4, -1e-4], S // 2)}[kind].astype(np.float32)
+    err = np.abs(roundtrip(v, group) - v)
+    assert np.all(err <= step_of(v, group) * (0.5 + 1e-6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, S, elements=st.floats(width=32, allow_nan=False, allow_infinity=False)),
+       st.sampled_from(codec.GROUP_SIZES))
+def test_roundtrip_property(v, group):
+    out = roundtrip(v, group)
+    assert np.isfinite(out).all()
+    assert np.all(np.abs(out.astype(np.float64) - v) <= step_of(v, group).astype(np.float64) * (0.5 + 1e-6))
+
+
+def test_wire_layout_and_nibble_order():
+    v = np.zeros(S, np.float32)
+    v[:4] = [7, -7, 1, -1]
+    w = codec.encode(v, 32)
+    assert w.size == codec.slice_bytes(S, 32) == S // 2 + 4 * S // 32
+    assert w[0] == (7 | (0x9 << 4))           # q=7 low nibble, q=-7 (0b1001) high nibble
+    assert w[1] == (1 | (0xF << 4))           # q=1, q=-1 (0b1111)
+    assert w[S // 2:S // 2 + 4].view("<f4")[0] == np.float32(1.0)
+    assert not np.any((w[:S // 2] & 0x0F) == 8) and not np.any((w[:S // 2] >> 4) == 8)
+
+
+def test_all_zero_group_is_exact():
+    q, scale = codec.quantize_groups(np.zeros(64, np.float32), 32)
+    assert np.all(q == 0) and np.all(scale == 0)
+    assert np.all(roundtrip(np.zeros(S, np.float32), 32) == 0)
+
+
+def test_tiny_values_survive():
+    v = np.zeros(S, np.float32)
+    v[:32] = np.linspace(-1e-30, 1e-30, 32)
+    out = roundtrip(v, 32)
+    assert np.abs(out[:32]).max() == pytest.approx(1e-30, rel=1e-6)
+    assert np.count_nonzero(out[:32]) >= 28
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_huge_values_decode_finite_in_their_dtype(dtype):
+    dmax = float(ml_dtypes.finfo(dtype).max)
+    v = np.zeros(S, np.float32)
+    v[:32] = dmax
+    v[32:64] = -dmax
+    v[64:96] = np.linspace(-dmax, dmax, 32)
+    out = roundtrip(v, 32).astype(dtype).astype(np.float64)
+    assert np.isfinite(out).all()
+    assert np.all(out[:32] == dmax) and np.all(out[32:64] == -dmax)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_reaches_its_group_only(bad):
+    v = np.random.default_rng(1).standard_normal(S).astype(np.float32)
+    v[40] = bad
+    out = roundtrip(v, 32)
+    assert np.isnan(out[32:64]).all()
+    assert np.isfinite(np.delete(out, np.s_[32:64])).all()
+
+
+def test_residual_resets_on_non_finite_and_overflow():
+    v = np.array([1.0, np.nan, np.inf, 3e38], np.float32)
+    ref = np.array([1.0, 0.0, 1.0, np.inf], np.float32)
+    e = codec.residual_of(v, ref, np.float32)
+    assert e.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_codes_unpack_inverse():
+    q = np.random.default_rng(2).integers(-7, 8, 1024).astype(np.int8)
+    assert np.array_equal(codec.unpack_codes(codec.pack_codes(q)), q)
+
+
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+def test_kernel_residual_is_what_rounding_lost(group):
+    """reduce_quantize keeps v - decode(codes), so codes + residual reproduce the input exactly."""
+    L = Layout(1000, 1, group)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(1000).astype(np.float32)
+    e = np.zeros(L.slice_elems, np.float32)
+    wire = np.empty(L.slice_bytes, np.uint8)
+    NumpyKernels().reduce_quantize(L, None, 0, x, e, wire, "float32")
+    dec = codec.decode(wire, L.slice_elems, group)
+    assert np.array_equal(dec[:1000] + e[:1000], x)
+    assert np.all(e[1000:] == 0)
+
+
+def test_rounding_is_half_to_even():
+    v = np.zeros(S, np.float32)
+    v[:4] = [7.0, 0.5, 1.5, 2.5]       # scale 1: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+    q, scale = codec.quantize_groups(v, 32)
+    assert scale[0] == 1.0 and q[:4].tolist() == [7, 0, 2, 2]
+
+
+def test_layout_slices_cover_the_tensor():
+    for count, P in [(0, 2), (1, 3), (513, 2), (100_003, 8)]:
+        L = Layout(count, P, 32)
+        assert L.slice_elems % codec.SLICE_QUANTUM == 0 and L.padded >= count
+        covered = sum(hi - lo for lo, hi in (L.bounds(s) for s in range(P)))
+        assert covered == count
+        assert L.slice_bytes % 16 == 0

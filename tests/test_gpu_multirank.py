@@ -1,0 +1,20 @@
+"""The GPU engine across two GPUs under mpirun: bit-exact with the reference, graph replay,
+and the CPU checks repeated on CUDA + NCCL. Skipped without two GPUs."""
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    NGPU = cupy.cuda.runtime.getDeviceCount()
+except cupy.cuda.runtime.CUDARuntimeError:
+    NGPU = 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU < 2, reason="needs two GPUs")]
+
+CHECKS = ["matches_reference", "graph_replay", "torch_interop", "identical_and_bounded", "special_values",
+          "telescoping", "depth"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_gpu_check(mpirun, check):
+    res = mpirun(2, ["tests/mpi/checks.py", check, "gpu"], timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert f"OK {check} ranks=2 engine=gpu" in res.stdout

@@ -1,0 +1,283 @@
+"""echonccl-perf, the nccl-tests-style bandwidth tool, on the CPU engine.
+
+Smoke tests launch ``mpiexec -n 2`` and ``-n 3`` (the one next to the
+interpreter, else the one on PATH; skipped without either); unit tests cover
+the size parser, the sweep, the bus-bandwidth formula, the accuracy check,
+the table layout and the exit status.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from echonccl.perf import all_reduce, common
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+SMOKE_ARGS = ["--engine", "cpu", "-b", "1K", "-e", "64K", "-f", "4", "-n", "3", "-w", "1",
+              "--algo", "both", "-J", "tmp.json", "--csv", "tmp.csv", "--plot", "tmp.png"]
+SMOKE_SIZES = [1024, 4096, 16384, 65536]
+LABELS = ["MPI", "two_shot", "ring"]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def _env() -> dict:
+    """The launch environment: Open MPI may run as root and oversubscribe (harmless for MPICH);
+    no ECHONCCL_* override leaks in; this checkout is importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECHONCCL_")}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _launch(n: int, args, cwd, script=None) -> subprocess.CompletedProcess:
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("no mpiexec next to the interpreter or on PATH")
+    target = [str(script)] if script else ["-m", "echonccl.perf.all_reduce"]
+    return subprocess.run([exe, "-n", str(n), sys.executable, *target, *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _data_lines(stdout: str) -> list:
+    return [ln for ln in stdout.splitlines() if ln.strip() and not ln.startswith("#")
+            and ln.split()[0].isdigit()]
+
+
+@pytest.fixture
+def no_env_overrides(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("ECHONCCL_"):
+            monkeypatch.delenv(k)
+
+
+# -- smoke: the whole tool under mpiexec --------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_smoke_cpu(tmp_path, nranks):
+    proc = _launch(nranks, SMOKE_ARGS, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"# echonccl-perf all_reduce: echonccl" in out and f"{nranks} ranks" in out
+    assert "# baseline : MPI (" in out
+    assert sum(ln.startswith("#  Rank ") and " Group  0 Pid " in ln for ln in out.splitlines()) == nranks
+    names = next(ln for ln in out.splitlines() if ln.startswith("#") and "algbw" in ln).split()
+    for col in ("size", "count", "type", "time", "algbw", "busbw", "speedup", "relerr", "maxerr", "#wrong"):
+        assert col in names
+    rows = _data_lines(out)
+    assert [int(r.split()[0]) for r in rows] == SMOKE_SIZES
+    assert all(r.split()[2] == "bfloat16" for r in rows)
+    assert "# Avg bus bandwidth" in out and "# Geomean speedup" in out and "# Check                : OK" in out
+    _check_json(tmp_path / "tmp.json", nranks)
+    _check_csv(tmp_path / "tmp.csv")
+    assert (tmp_path / "tmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_json(path: Path, nranks: int) -> None:
+    doc = json.loads(path.read_text())
+    assert doc["nranks"] == nranks and doc["engine"] == "cpu" and doc["baseline"] == "MPI"
+    assert len(doc["ranks"]) == nranks
+    assert [row["size"] for row in doc["results"]] == SMOKE_SIZES
+    for row in doc["results"]:
+        assert row["count"] == row["size"] // 2 and row["buffers"] >= 1
+        assert [r["label"] for r in row["results"]] == LABELS
+        for r in row["results"]:
+            assert r["time_us"] > 0 and r["algbw"] > 0
+            assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (nranks - 1) / nranks)
+            assert r["relerr"] < 0.5 and r["wrong"] == 0
+            assert (r["speedup"] is None) == r["baseline"]
+            if not r["baseline"]:
+                base = row["results"][0]["time_us"]
+                assert r["speedup"] == pytest.approx(base / r["time_us"])
+    assert doc["summary"]["ok"] is True and doc["summary"]["failures"] == []
+    assert set(doc["summary"]["geomean_speedup"]) == {"two_shot", "ring"}
+
+
+def _check_csv(path: Path) -> None:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(SMOKE_SIZES) * len(LABELS)
+    assert [r["label"] for r in rows[:3]] == LABELS
+    assert all(float(r["time_us"]) > 0 and r["wrong"] == "0" for r in rows)
+
+
+BAD_TOOL = """
+    import sys
+    from dataclasses import replace
+    import numpy as np
+    from echonccl.perf import common
+    from echonccl.perf.all_reduce import ALL_REDUCE
+
+    def variants(comm, opts):
+        def call(x, out, stream):
+            comm.all_reduce(x, out, feedback=False, algorithm="two_shot")
+            out[5] = np.nan                 # non-finite where the exact sum is finite
+            if comm.rank == 1:
+                out[:3] = -1000.0             # rank 1 disagrees with rank 0 on 3 elements
+        return [common.Variant("bad", False, lambda: call)]
+
+    sys.exit(common.run(replace(ALL_REDUCE, variants=variants), sys.argv[1:]))
+"""
+
+
+@pytest.mark.mpi
+def test_wrong_results_fail(tmp_path):
+    script = tmp_path / "bad_tool.py"
+    script.write_text(textwrap.dedent(BAD_TOOL))
+    proc = _launch(2, ["--engine", "cpu", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0", "-J", "bad.json"],
+                   tmp_path, script)
+    assert proc.returncode == common.EXIT_FAILED, proc.stdout + proc.stderr
+    assert "# Check                : FAILED" in proc.stdout
+    result = json.loads((tmp_path / "bad.json").read_text())["results"][0]["results"][0]
+    assert result["wrong"] == 4 and result["relerr"] is None     # NaN is written as null
+
+
+# -- in one process (a singleton MPI job) --------------------------------------------------------
+def test_single_rank_run(no_env_overrides, capsys):
+    rc = all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "1",
+                          "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert [int(r.split()[0]) for r in _data_lines(out)] == [1024, 2048, 4096]
+
+
+def test_cudagraph_needs_gpu(no_env_overrides, capsys):
+    rc = all_reduce.main(["--engine", "cpu", "-G", "1", "-b", "1K", "-e", "1K"])
+    assert rc == common.EXIT_USAGE
+    assert "-G (CUDA-graph replay) needs the GPU engine" in capsys.readouterr().err
+
+
+def test_bad_options_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        all_reduce.main(["-b", "12Q"])
+    assert exc.value.code == 2
+    assert all_reduce.main(["-b", "1M", "-e", "1K"]) == common.EXIT_USAGE
+
+
+@pytest.mark.parametrize("limit", [all_reduce.GATHER_LIMIT_BYTES, 0])
+def test_exact_sum_single_rank(monkeypatch, limit):
+    from mpi4py import MPI
+
+    monkeypatch.setattr(all_reduce, "GATHER_LIMIT_BYTES", limit)   # 0: the chunked MPI reduce
+    monkeypatch.setattr(common, "CHUNK_ELEMS", 7)
+    x = common.HostArrays().random(100, np.float16, seed=3)
+    ref = all_reduce.exact_sum(MPI.COMM_SELF, x)
+    np.testing.assert_array_equal(ref, x.astype(np.float64))
+
+
+# -- units -----------------------------------------------------------------------------------------
+def test_parse_size():
+    assert common.parse_size("1K") == 1024
+    assert common.parse_size("64M") == 64 << 20
+    assert common.parse_size("1G") == 1 << 30
+    assert common.parse_size("4096") == 4096
+    assert common.parse_size("1.5k") == 1536
+    assert common.parse_size("2MB") == common.parse_size("2MiB") == 2 << 20
+    for bad in ("", "K", "1Q", "-1", "1 K B x"):
+        with pytest.raises(ValueError):
+            common.parse_size(bad)
+
+
+def test_size_sweep():
+    assert common.size_sweep(1024, 65536, stepfactor=4) == SMOKE_SIZES
+    assert common.size_sweep(1000, 3500, stepbytes=1000) == [1000, 2000, 3000]
+    assert common.size_sweep(0, 8, stepfactor=2) == [0, 1, 2, 4, 8]
+    with pytest.raises(ValueError):
+        common.size_sweep(2, 1)
+    with pytest.raises(ValueError):
+        common.size_sweep(1, 2, stepfactor=1, stepbytes=0)
+    assert common.element_counts([0, 1, 2, 3, 4], 2) == [(2, 1), (4, 2)]
+
+
+def test_bus_bandwidth():
+    assert [all_reduce.bus_factor(p) for p in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+    assert common.bus_bandwidth(10.0, 4, all_reduce.bus_factor) == pytest.approx(15.0)
+    assert common.bus_bandwidth(10.0, 2, all_reduce.bus_factor) == pytest.approx(10.0)
+
+
+def test_buffer_count():
+    big = 1 << 40
+    assert common.buffer_count(1024, big) == common.MAX_BUFFERS
+    assert common.buffer_count(64 << 20, big) == 4
+    assert common.buffer_count(1 << 30, big) == common.MIN_BUFFERS
+    assert common.buffer_count(1 << 30, 2 << 30) == 1          # memory-capped, never 0
+
+
+def test_random_inputs_nonzero_and_seeded():
+    arrays = common.HostArrays()
+    for dt in ("float16", "bfloat16", "float32"):
+        a = arrays.random(100_000, common.dtypes.numpy_dtype(dt), seed=1)
+        assert a.dtype.name == dt and np.all(a.astype(np.float64) != 0)
+    s = {common.seed_for(r, n, i) for r in range(2) for n in (1024, 2048) for i in range(2)}
+    assert len(s) == 8
+
+
+def test_accuracy_stats():
+    ref = np.arange(1.0, 9.0)
+    assert common.accuracy_stats(ref.astype(np.float32), ref) == (0.0, 0.0, 0)
+    out = ref.copy()
+    out[2] += 0.5
+    relerr, maxerr, wrong = common.accuracy_stats(out, ref)
+    assert relerr == pytest.approx(0.5 / np.linalg.norm(ref)) and maxerr == 0.5 and wrong == 0
+    out[4] = np.inf
+    diverged = np.zeros(8, dtype=bool)
+    diverged[[0, 4]] = True
+    relerr, maxerr, wrong = common.accuracy_stats(out, ref, diverged)
+    assert wrong == 2 and not relerr <= common.MAX_RELERR
+
+
+def test_result_ok():
+    r = common.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 0)
+    assert r.ok()
+    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, 0.6, 0.2, 0).ok()
+    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, math.nan, 0.2, 0).ok()
+    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 3).ok()
+    assert common.Result("x", False, 1.0, 1.0, 1.0).ok()       # unchecked (-c 0)
+
+
+def test_table_columns_align():
+    variants = [common.Variant("MPI", True, None), common.Variant("ring", False, None)]
+    row = common.Row(1024, 512, "bfloat16", 8, [
+        common.Result("MPI", True, 12.5, 0.08, 0.08, None, 1e-3, 2e-3, 0),
+        common.Result("ring", False, 25000.0, 0.04, 0.04, 0.5, 0.1, 0.4, 0)])
+    header = common.table_header(variants)
+    line = common.table_row(row)
+    assert len(line) == len(header[1]) and "MPI" in header[0] and "ring" in header[0]
+    ends = lambda s: [i for i in range(len(s)) if s[i] != " " and (i + 1 == len(s) or s[i + 1] == " ")]  # noqa
+    assert ends(line) == ends(" " + header[1][1:])   # every value ends under its column name
+    assert line.split()[3:5] == ["12.50", "0.08"] and "25000" in line.split()
+
+
+def test_progress_bar():
+    buf = io.StringIO()
+    bar = common.Progress(4, True, width=8, stream=buf)
+    bar.show(2, "64 KiB")
+    bar.clear()
+    assert "[####    ] 2/4 64 KiB" in buf.getvalue() and buf.getvalue().endswith("\r")
+    quiet = io.StringIO()
+    common.Progress(4, False, stream=quiet).show(1, "x")
+    assert quiet.getvalue() == ""
+
+
+def test_nccl_version_format():
+    assert common.format_nccl_version(22805) == "2.28.5"
+    assert common.format_nccl_version(2708) == "2.7.8"
+    assert common.format_nccl_version((2, 28, 3)) == "2.28.3"
+    assert common.format_nccl_version("2.28.3") == "2.28.3"
