@@ -38,7 +38,7 @@ def _current_stream_ptr() -> int:
 def _as_cupy_stream(stream):
     """A cupy stream for a cupy Stream, a raw ``cudaStream_t`` int, or an object with
     ``cuda_stream`` (PyTorch) or ``__cuda_stream__`` (the CUDA stream protocol)."""
-    if isinstance(stream, cupy.cuda.BaseStream):
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         return stream
     if hasattr(stream, "__cuda_stream__"):
         return cupy.cuda.ExternalStream(int(stream.__cuda_stream__()[1]))

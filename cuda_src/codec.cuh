@@ -1,0 +1,566 @@
+// echonccl wire codec on the GPU: the bit-exact CUDA twin of echonccl/codec.py.
+//
+// The spec is the docstring of echonccl/codec.py; the reference is
+// echonccl/kernels_numpy.py. Everything here reproduces those bit for bit:
+//
+//  * All float32 arithmetic goes through inline PTX with an explicit rounding
+//    modifier and WITHOUT .ftz (add.rn / sub.rn / mul.rn / div.rn / rcp.rn,
+//    cvt.rni). Explicit-rounding PTX ops are never contracted into FMA, and
+//    inline asm is immune to compiler flags. This matters because CuPy
+//    appends `-ftz=true` to every NVRTC compile (after the caller's options,
+//    and the last occurrence wins): the __fadd_rn/__fdiv_rn intrinsics and
+//    fabsf/fmaxf would then flush subnormals and break bit-exactness for fp32
+//    subnormal inputs. With asm the result is the same under nvcc
+//    (-ftz=false --fmad=false) and under CuPy's NVRTC.
+//  * q = clip(rint(fl(v / scale)), -7, 7) is computed without a division per
+//    element where that is provably identical (see the quantize step below):
+//    fl(v * fl(1/scale)) rounded with the 1.5*2^23 trick, falling back to the
+//    IEEE division when the quotient is within 2^-16 of a half-integer.
+//    Codes are decoded to floats by bit tricks, not int->float conversions.
+//  * |v|, max, isfinite and ==0 are integer operations on the IEEE bits
+//    (again FTZ-immune; for non-negative floats the unsigned order of the
+//    bits is the float order).
+//  * float <-> half/bfloat16 conversions are the PTX cvt instructions that
+//    __float2half_rn / __float2bfloat16_rn / __half2float compile to
+//    (cvt.rn.f16.f32, cvt.rn.bf16.f32, cvt.f32.f16; round to nearest even,
+//    subnormals kept). The 16-bit types are storage-only structs defined here,
+//    so the code needs no CUDA header and compiles under NVRTC without an
+//    include path.
+//  * NaN bit patterns of dequantized outputs follow numpy on the host
+//    (x86/Arm propagate the NaN operand of q*scale, quieted; numpy's
+//    float->half keeps sign and top payload bits; ml_dtypes' float->bfloat16
+//    gives 0x7fc0/0xffc0), so outputs are equal as bits, NaNs included.
+//
+// Thread mapping: one thread = 8 consecutive elements of a slice = one 32-bit
+// word of packed codes. A group of G elements = G/8 consecutive lanes of one
+// warp; its amax / non-finite flag is reduced with __shfl_xor_sync among them.
+// The host guarantees S % 512 == 0 (so the thread count is a multiple of 64
+// and every warp is entirely inside or outside the grid-stride range: the
+// full-mask shuffles are safe), and 4-byte aligned wire buffers (slices start
+// 16-byte aligned inside them by construction).
+#ifndef ECHO_CODEC_CUH
+#define ECHO_CODEC_CUH
+
+#ifndef ECHO_BLOCK
+#define ECHO_BLOCK 256
+#endif
+// Software pipelining: load the next grid-stride chunk's own/residual while
+// computing the current one (keeps bytes in flight during the arithmetic).
+#ifndef ECHO_PREFETCH
+#define ECHO_PREFETCH 1
+#endif
+
+namespace echo {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// ---------------------------------------------------------------- float32 ops
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// IEEE-754 division, correctly rounded, subnormals kept (no .ftz).
+__device__ __forceinline__ float div_rn(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// rint (nearest, ties to even) straight to int; saturating, NaN -> 0.
+__device__ __forceinline__ int rint_s32(float a) {
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+// IEEE-754 reciprocal, correctly rounded, subnormals kept.
+__device__ __forceinline__ float rcp_rn(float a) {
+    float r;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+__device__ __forceinline__ float i2f(int q) { return (float)q; }  // exact for |q| <= 8
+
+__device__ __forceinline__ u32 fbits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ float bitsf(u32 b) { return __uint_as_float(b); }
+__device__ __forceinline__ u32 abs_bits(float x) { return fbits(x) & 0x7fffffffu; }
+__device__ __forceinline__ bool is_finite(float x) { return abs_bits(x) < 0x7f800000u; }
+
+// The NaN numpy writes for a non-finite group's scale: float32(np.nan).
+constexpr u32 kScaleNaN = 0x7fc00000u;
+constexpr float kSeven = 7.0f;
+// x + 1.5*2^23 rounds x to an integer, ties to even, for |x| < 2^22: the float
+// add does rint on the full-rate FP pipe (no conversion instruction), the low
+// bits of the sum's encoding are the integer in two's complement, and
+// subtracting the constant back gives rint(x) as a float, exactly.
+constexpr float kMagic = 12582912.0f;  // 0x4b400000
+// |y - rint(y)| above this: y may be too close to a half-integer for the
+// reciprocal shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5).
+constexpr float kNearTie = 0.5f - 1.0f / 65536.0f;
+
+// ------------------------------------------------------------ element types
+// Storage-only 16-bit types (same layout as __half / __nv_bfloat16).
+struct __align__(2) half_t { u16 x; };
+struct __align__(2) bf16_t { u16 x; };
+typedef half_t f16;
+typedef bf16_t bf16;
+typedef float f32;
+
+template <typename T> struct Traits;
+
+template <> struct Traits<float> {
+    static constexpr int kBytes = 4;
+    __device__ static __forceinline__ float to_f32(float v) { return v; }
+    __device__ static __forceinline__ float from_f32(float v) { return v; }
+    // numpy: q * NaN returns the NaN operand, quieted.
+    __device__ static __forceinline__ float nan_of_scale(u32 s) { return bitsf(s | 0x00400000u); }
+    __device__ static __forceinline__ float round2(float v) { return v; }
+};
+
+template <> struct Traits<half_t> {
+    static constexpr int kBytes = 2;
+    __device__ static __forceinline__ float to_f32(half_t v) {
+        float r;
+        asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "h"(v.x));
+        return r;
+    }
+    __device__ static __forceinline__ half_t from_f32(float v) {  // __float2half_rn
+        u16 r;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return half_t{r};
+    }
+    // Two conversions in one instruction: lo in bits 0-15, hi in bits 16-31.
+    __device__ static __forceinline__ u32 pack2(float lo, float hi) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return (u32)from_f32(lo).x | ((u32)from_f32(hi).x << 16);
+#endif
+    }
+    __device__ static __forceinline__ float lo_f32(u32 p) { return to_f32(half_t{(u16)(p & 0xffffu)}); }
+    __device__ static __forceinline__ float hi_f32(u32 p) { return to_f32(half_t{(u16)(p >> 16)}); }
+    __device__ static __forceinline__ half_t nan_of_scale(u32 s) {
+        // numpy npy_floatbits_to_halfbits on the quieted NaN s | 0x400000.
+        u32 f = s | 0x00400000u;
+        return half_t{(u16)(((f >> 16) & 0x8000u) | 0x7c00u | ((f & 0x007fffffu) >> 13))};
+    }
+};
+
+template <> struct Traits<bf16_t> {
+    static constexpr int kBytes = 2;
+    __device__ static __forceinline__ float to_f32(bf16_t v) { return bitsf((u32)v.x << 16); }
+    __device__ static __forceinline__ bf16_t from_f32(float v) {  // __float2bfloat16_rn
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u16 r;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return bf16_t{r};
+#else
+        u32 b = fbits(v);  // only finite values reach this (NaN handled by callers)
+        b += 0x7fffu + ((b >> 16) & 1u);
+        return bf16_t{(u16)(b >> 16)};
+#endif
+    }
+    __device__ static __forceinline__ u32 pack2(float lo, float hi) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return (u32)from_f32(lo).x | ((u32)from_f32(hi).x << 16);
+#endif
+    }
+    __device__ static __forceinline__ float lo_f32(u32 p) { return bitsf(p << 16); }
+    __device__ static __forceinline__ float hi_f32(u32 p) { return bitsf(p & 0xffff0000u); }
+    __device__ static __forceinline__ bf16_t nan_of_scale(u32 s) {
+        return bf16_t{(u16)((s & 0x80000000u) ? 0xffc0u : 0x7fc0u)};  // ml_dtypes / Eigen
+    }
+};
+
+// v[i] rounded (nearest even) through RefT and back to float; identity for float.
+template <typename RefT>
+__device__ __forceinline__ void round_through8(float (&v)[8]) {
+    if constexpr (Traits<RefT>::kBytes == 2) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+            const u32 p = Traits<RefT>::pack2(v[i], v[i + 1]);
+            v[i] = Traits<RefT>::lo_f32(p);
+            v[i + 1] = Traits<RefT>::hi_f32(p);
+        }
+    }
+}
+
+// ------------------------------------------------------- 8-element vectors I/O
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<u64>(p) & 15ull) == 0;
+}
+
+// Read-only (non-coherent) 16-byte load.
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4* w, float (&v)[8]);
+
+template <>
+__device__ __forceinline__ void unpack8<float>(const uint4* w, float (&v)[8]) {
+    v[0] = bitsf(w[0].x); v[1] = bitsf(w[0].y); v[2] = bitsf(w[0].z); v[3] = bitsf(w[0].w);
+    v[4] = bitsf(w[1].x); v[5] = bitsf(w[1].y); v[6] = bitsf(w[1].z); v[7] = bitsf(w[1].w);
+}
+template <typename T16>
+__device__ __forceinline__ void unpack8_16(const uint4& w, float (&v)[8]) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = Traits<T16>::to_f32(T16{(u16)(a[i] & 0xffffu)});
+        v[2 * i + 1] = Traits<T16>::to_f32(T16{(u16)(a[i] >> 16)});
+    }
+}
+template <>
+__device__ __forceinline__ void unpack8<half_t>(const uint4* w, float (&v)[8]) { unpack8_16<half_t>(w[0], v); }
+template <>
+__device__ __forceinline__ void unpack8<bf16_t>(const uint4* w, float (&v)[8]) { unpack8_16<bf16_t>(w[0], v); }
+
+// 8 consecutive elements as loaded, before conversion (16 or 32 bytes).
+template <typename T>
+struct Raw8 {
+    static constexpr int kVec = (8 * Traits<T>::kBytes) / 16;  // 1 or 2 uint4
+    uint4 w[kVec];
+};
+
+template <typename T>
+__device__ __forceinline__ u32 raw_bits(const T* p) {
+    if constexpr (Traits<T>::kBytes == 4) return fbits(*reinterpret_cast<const float*>(p));
+    else return *reinterpret_cast<const u16*>(p);
+}
+
+// Load elements [e0, e0+8) of p; those >= n read as +0 (all-zero bits). `vec`
+// says p is 16-byte aligned (then e0 % 8 == 0 keeps every vector load aligned).
+template <typename T, bool kReadOnly>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p, i64 e0, i64 n, bool vec) {
+    Raw8<T> r;
+    if (vec && e0 + 8 <= n) {
+        const uint4* q = reinterpret_cast<const uint4*>(p + e0);
+#pragma unroll
+        for (int i = 0; i < Raw8<T>::kVec; ++i) r.w[i] = kReadOnly ? ldg16(q + i) : q[i];
+    } else {
+        u32 b[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = (e0 + i < n) ? raw_bits(p + e0 + i) : 0u;
+        if constexpr (Raw8<T>::kVec == 2) {
+            r.w[0] = make_uint4(b[0], b[1], b[2], b[3]);
+            r.w[1] = make_uint4(b[4], b[5], b[6], b[7]);
+        } else {
+            r.w[0] = make_uint4(b[0] | (b[1] << 16), b[2] | (b[3] << 16), b[4] | (b[5] << 16), b[6] | (b[7] << 16));
+        }
+    }
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ u32 bits16(T v);
+template <> __device__ __forceinline__ u32 bits16<half_t>(half_t v) { return v.x; }
+template <> __device__ __forceinline__ u32 bits16<bf16_t>(bf16_t v) { return v.x; }
+
+// Store 8 already-converted elements [e0, e0+8) to p, only those < n.
+template <typename T>
+__device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        if constexpr (Traits<T>::kBytes == 4) {
+            uint4* q = reinterpret_cast<uint4*>(p + e0);
+            const float* f = reinterpret_cast<const float*>(v);
+            q[0] = make_uint4(fbits(f[0]), fbits(f[1]), fbits(f[2]), fbits(f[3]));
+            q[1] = make_uint4(fbits(f[4]), fbits(f[5]), fbits(f[6]), fbits(f[7]));
+        } else {
+            *reinterpret_cast<uint4*>(p + e0) =
+                make_uint4(bits16(v[0]) | (bits16(v[1]) << 16), bits16(v[2]) | (bits16(v[3]) << 16),
+                           bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) p[e0 + i] = v[i];
+    }
+}
+
+// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n.
+template <typename T>
+__device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        if constexpr (Traits<T>::kBytes == 4) {
+            uint4* q = reinterpret_cast<uint4*>(p + e0);
+            q[0] = make_uint4(fbits(v[0]), fbits(v[1]), fbits(v[2]), fbits(v[3]));
+            q[1] = make_uint4(fbits(v[4]), fbits(v[5]), fbits(v[6]), fbits(v[7]));
+        } else {
+            *reinterpret_cast<uint4*>(p + e0) =
+                make_uint4(Traits<T>::pack2(v[0], v[1]), Traits<T>::pack2(v[2], v[3]),
+                           Traits<T>::pack2(v[4], v[5]), Traits<T>::pack2(v[6], v[7]));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) p[e0 + i] = Traits<T>::from_f32(v[i]);
+    }
+}
+
+// ------------------------------------------------------------- wire decoding
+// The 8 codes of a packed 32-bit word as floats, exactly, with no conversion
+// instruction and no per-code shift. Code j (0..3) of a 16-bit half h sits in
+// bits 4j..4j+3; its nibble XOR 8 is q + 8 in [0, 15]. OR-ed into the mantissa
+// of 1.5 * 2^(23-4j) (whose ulp is 2^-4j, so bit 4j weighs 1), it encodes
+// 1.5 * 2^(23-4j) + q + 8, and one exact subtraction leaves q. Mask and XOR
+// are one lop3 with the constant in a register.
+template <u32 kMask>
+__device__ __forceinline__ u32 mask_xor(u32 a, u32 x) {  // (a & kMask) ^ x
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(a), "n"(kMask), "r"(x));
+    return r;
+}
+template <int J>
+__device__ __forceinline__ float code_in_half(u32 h) {
+    constexpr u32 kBits = ((150u - 4u * J) << 23) | 0x400000u;  // 1.5 * 2^(23-4J)
+    constexpr float kBias = (float)(3u << (22 - 4 * J)) + 8.0f;   // its value + 8, exact
+    return sub_rn(bitsf(mask_xor<(0xfu << (4 * J))>(h, kBits | (8u << (4 * J)))), kBias);
+}
+__device__ __forceinline__ void decode8(u32 w, float (&q)[8]) {
+    const u32 hi = w >> 16;
+    q[0] = code_in_half<0>(w);  q[1] = code_in_half<1>(w);  q[2] = code_in_half<2>(w);  q[3] = code_in_half<3>(w);
+    q[4] = code_in_half<0>(hi); q[5] = code_in_half<1>(hi); q[6] = code_in_half<2>(hi); q[7] = code_in_half<3>(hi);
+}
+
+// acc[i] += fl(q_i * scale): the decoded value of one incoming slice.
+__device__ __forceinline__ void add_decoded(float (&acc)[8], u32 w, float scale) {
+    float q[8];
+    decode8(w, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], mul_rn(q[i], scale));
+}
+__device__ __forceinline__ void add_terms(float (&acc)[8], const float (&t)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], t[i]);
+}
+
+// Incoming slices are consumed in batches of this many, so their loads are in flight together.
+#ifndef ECHO_IN_BATCH
+#define ECHO_IN_BATCH 4
+#endif
+constexpr int kInBatch = ECHO_IN_BATCH;
+// Chunks of 8 elements per thread and grid-stride step in dequantize (loads
+// first), for 16-bit and for float32 outputs (measured best on H200: 2 and 1).
+// echonccl/kernels_cuda.py sizes the dequantize grid with the same numbers.
+#ifndef ECHO_DQ_UNROLL16
+#define ECHO_DQ_UNROLL16 2
+#endif
+#ifndef ECHO_DQ_UNROLL32
+#define ECHO_DQ_UNROLL32 1
+#endif
+
+// -------------------------------------------------------------- the kernels
+// reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
+// `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements.
+template <typename InT, typename ResT, typename RefT, int G>
+__device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
+                                                     ResT* __restrict__ residual,
+                                                     unsigned char* __restrict__ wire_out, i64 S) {
+    static_assert(G == 32 || G == 64 || G == 128, "group size");
+    constexpr int kLanes = G / 8;  // lanes per group
+    const i64 nthreads = S >> 3;
+    const i64 slice_bytes = (S >> 1) + 4 * (S / G);
+    const i64 codes_bytes = S >> 1;
+    const bool own_vec = aligned16(own);
+    const bool res_vec = residual != nullptr && aligned16(residual);
+    const int nin = (int)n_in, opos = (int)own_pos;
+
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    Raw8<InT> own_next;
+    Raw8<ResT> res_next;
+    if (ECHO_PREFETCH && t < nthreads) {
+        own_next = load_raw8<InT, true>(own, t << 3, own_n, own_vec);
+        if (residual != nullptr) res_next = load_raw8<ResT, false>(residual, t << 3, S, res_vec);
+    }
+    for (; t < nthreads; t += stride) {
+        const i64 e0 = t << 3;
+        const i64 grp = t / kLanes;
+
+        Raw8<InT> own_r;
+        Raw8<ResT> res_r;
+        if (ECHO_PREFETCH) {
+            own_r = own_next;
+            res_r = res_next;
+            if (t + stride < nthreads) {
+                own_next = load_raw8<InT, true>(own, e0 + (stride << 3), own_n, own_vec);
+                if (residual != nullptr) res_next = load_raw8<ResT, false>(residual, e0 + (stride << 3), S, res_vec);
+            }
+        } else {
+            own_r = load_raw8<InT, true>(own, e0, own_n, own_vec);
+            if (residual != nullptr) res_r = load_raw8<ResT, false>(residual, e0, S, res_vec);
+        }
+        float own_v[8], res_v[8];
+        unpack8<InT>(own_r.w, own_v);
+
+        // Terms in order, own at own_pos; acc starts at -0.0f, which makes the
+        // first addition exact (-0 + x == x for every x, signed zeros included),
+        // i.e. "the first term taken as is".
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = -0.0f;
+        for (int base = 0; base < nin; base += kInBatch) {
+            u32 w[kInBatch];
+            float sc[kInBatch];
+#pragma unroll
+            for (int u = 0; u < kInBatch; ++u) {
+                if (base + u < nin) {
+                    const unsigned char* sl = incoming + (i64)(base + u) * slice_bytes;
+                    w[u] = __ldg(reinterpret_cast<const u32*>(sl) + t);
+                    sc[u] = __ldg(reinterpret_cast<const float*>(sl + codes_bytes) + grp);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kInBatch; ++u) {
+                if (base + u < nin) {
+                    if (base + u == opos) add_terms(acc, own_v);
+                    add_decoded(acc, w[u], sc[u]);
+                }
+            }
+        }
+        if (opos >= nin) add_terms(acc, own_v);
+        if (residual != nullptr) {
+            unpack8<ResT>(res_r.w, res_v);
+            add_terms(acc, res_v);
+        }
+
+        // Group amax over |v| as bits; a NaN/Inf anywhere makes it >= 0x7f800000.
+        u32 amax = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[i]));
+#pragma unroll
+        for (int off = 1; off < kLanes; off <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        const bool finite = amax < 0x7f800000u;
+
+        // q_i = clip(rint(fl(v_i / scale)), -7, 7) as a float (qf) and as the low
+        // nibble of code[i]; q = 0 for scale == 0 and for a non-finite group.
+        float scale = bitsf(kScaleNaN);
+        float qf[8];
+        u32 code[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { qf[i] = 0.0f; code[i] = 0u; }
+        if (finite) {
+            scale = div_rn(bitsf(amax), kSeven);
+            // scale = max(amax / 7, 2^-149) for amax > 0: tiny subnormal groups must not collapse.
+            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(0x00000001u);
+            if (fbits(scale) >= 0x00800000u) {
+                // Normal scale: |v / scale| <= 7 * (1 + 2^-23), so no clipping. y = fl(v * fl(1/scale))
+                // is within 2^-19 of the exact quotient; unless y is within 2^-16 of a
+                // half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
+                const float r = rcp_rn(scale);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float y = mul_rn(acc[i], r);
+                    float m = add_rn(y, kMagic);
+                    float q = sub_rn(m, kMagic);
+                    if (abs_bits(sub_rn(y, q)) > fbits(kNearTie)) {
+                        m = add_rn(div_rn(acc[i], scale), kMagic);
+                        q = sub_rn(m, kMagic);
+                    }
+                    qf[i] = q;
+                    code[i] = fbits(m);
+                }
+            } else if (fbits(scale) != 0u) {
+                // Subnormal scale (|v| < 7 * 2^-126): the quotient can exceed 7.5; divide and clip.
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int q = min(7, max(-7, rint_s32(div_rn(acc[i], scale))));
+                    qf[i] = i2f(q);
+                    code[i] = (u32)q;
+                }
+            }
+        }
+        u32 word = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) word |= (code[i] & 0xfu) << (4 * i);
+        reinterpret_cast<u32*>(wire_out)[t] = word;
+        if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(wire_out + codes_bytes)[grp] = scale;
+
+        if (residual != nullptr) {
+            // residual = v - ref, ref = fl(q * scale) rounded through RefT; non-finite -> 0.
+            float e[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
+            round_through8<RefT>(e);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float d = sub_rn(acc[i], e[i]);
+                e[i] = (finite && is_finite(d)) ? d : 0.0f;
+            }
+            store8f<ResT>(residual, e0, S, res_vec, e);
+        }
+    }
+}
+
+// dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).
+template <typename OutT, int G>
+__device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
+                                                i64 count, i64 S) {
+    static_assert(G == 32 || G == 64 || G == 128, "group size");
+    constexpr int kLanes = G / 8;
+    const i64 slice = blockIdx.y;
+    const i64 slice_bytes = (S >> 1) + 4 * (S / G);
+    const unsigned char* sl = wire + slice * slice_bytes;
+    const u32* codes = reinterpret_cast<const u32*>(sl);
+    const float* scales = reinterpret_cast<const float*>(sl + (S >> 1));
+    const i64 base = slice * S;
+    i64 nthreads = S >> 3;
+    if (count - base < S) nthreads = (count - base + 7) >> 3;
+    const bool vec = aligned16(out);
+
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    constexpr int kU = Traits<OutT>::kBytes == 2 ? ECHO_DQ_UNROLL16 : ECHO_DQ_UNROLL32;
+    for (i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; t0 < nthreads; t0 += kU * stride) {
+        u32 w[kU];
+        float scale[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const i64 t = t0 + u * stride;
+            if (u == 0 || t < nthreads) {
+                w[u] = __ldg(codes + t);
+                scale[u] = __ldg(scales + t / kLanes);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const i64 t = t0 + u * stride;
+            if (u > 0 && t >= nthreads) break;
+            if (abs_bits(scale[u]) > 0x7f800000u) {  // NaN scale: a non-finite group, numpy's NaN bits
+                OutT o[8];
+                const OutT nan = Traits<OutT>::nan_of_scale(fbits(scale[u]));
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[i] = nan;
+                store8<OutT>(out, base + (t << 3), count, vec, o);
+            } else {
+                float v[8];
+                decode8(w[u], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                store8f<OutT>(out, base + (t << 3), count, vec, v);
+            }
+        }
+    }
+}
+
+}  // namespace echo
+
+#endif  // ECHO_CODEC_CUH

@@ -1,0 +1,57 @@
+// echonccl CUDA kernels: extern "C" entry points over the templates of codec.cuh.
+//
+// Built two ways from this one file:
+//   * nvcc -fatbin (tools/build_fatbin.sh) -> cuda_src/echo_kernels.fatbin
+//   * NVRTC through cupy.RawModule(code=...) (echonccl/kernels_cuda.py, which
+//     inlines codec.cuh into the source so CuPy's cache key covers it).
+//
+// Entry points (all parameters are 8-byte: pointers or long long, which is
+// what CuPy passes for arrays / None / Python ints):
+//
+//   echo_reduce_quantize_<in>_res<res>_ref<ref>_g<G>(
+//       const uint8 *incoming, i64 n_in, i64 own_pos, const In *own, i64 own_n,
+//       Res *residual /* may be null */, uint8 *wire_out, i64 S)
+//   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
+//       grid.y = number of slices to decode (ceil(count / S))
+//
+// with <in>, <out> in {f16, bf16, f32}; <res>, <ref> in {f32, <in>}; G in
+// {32, 64, 128}. echonccl/kernels_cuda.py builds the same names
+// (`entry_points()`), and tests/test_cuda_compile.py checks the two agree.
+#include "codec.cuh"
+
+// ---------------------------------------------------------------- the lists
+// (in, res, ref) combinations for one group size G.
+#define ECHO_RQ_COMBOS(X, G)                                                                                          \
+    X(f16, f32, f32, G) X(f16, f32, f16, G) X(f16, f16, f32, G) X(f16, f16, f16, G)                                  \
+    X(bf16, f32, f32, G) X(bf16, f32, bf16, G) X(bf16, bf16, f32, G) X(bf16, bf16, bf16, G)                          \
+    X(f32, f32, f32, G)
+#define ECHO_DQ_COMBOS(X, G) X(f16, G) X(bf16, G) X(f32, G)
+
+#define ECHO_FOR_EACH_GROUP(LIST, X) LIST(X, 32) LIST(X, 64) LIST(X, 128)
+
+// ---------------------------------------------------------- the entry points
+// Minimum resident blocks per SM asked of ptxas for reduce_quantize: caps it at
+// 64 registers (no spills), 4 x 256 threads per SM (measured best on H200).
+#ifndef ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MIN_BLOCKS 4
+#endif
+
+#define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MIN_BLOCKS)                                      \
+        echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G(                                                       \
+        const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                                \
+        const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                         \
+        unsigned char* __restrict__ wire_out, long long S) {                                                          \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G>(incoming, n_in, own_pos, own, own_n, residual, \
+                                                                       wire_out, S);                                  \
+    }
+
+#define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
+        echo_dequantize_##OUT##_g##G(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out,             \
+                                     long long count, long long S) {                                                  \
+        echo::dequantize_body<echo::OUT, G>(wire, out, count, S);                                                     \
+    }
+
+ECHO_FOR_EACH_GROUP(ECHO_RQ_COMBOS, ECHO_DEFINE_REDUCE_QUANTIZE)
+ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE)

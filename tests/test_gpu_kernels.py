@@ -1,0 +1,277 @@
+"""CudaKernels against NumpyKernels, bit for bit (needs cupy and a CUDA device; skipped otherwise).
+
+Every input dtype x residual (none / float32 / input dtype) x group size, with
+incoming wires from the numpy reference (NaN, zero, subnormal and huge scales
+included), own contributions full / partial / odd / empty / unaligned, the own
+term at every kind of position, residuals fed back over consecutive calls;
+then dequantize into every output dtype, full, partial and unaligned.
+Equality is on bytes: wire bytes, residual bits, output bits (NaNs included).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from echonccl import codec
+from echonccl.kernels_numpy import NumpyKernels
+from echonccl.layout import Layout
+
+cupy = pytest.importorskip("cupy")
+try:
+    _NDEV = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # no driver / no device
+    _NDEV = 0
+if _NDEV == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from echonccl.kernels_cuda import CudaKernels  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+DTYPES = {"f16": F16, "bf16": BF16, "f32": F32}
+UINT = {2: np.uint16, 4: np.uint32}
+S = 2048  # 16 groups of 128: room for every adversarial kind
+NK = NumpyKernels()
+
+
+# ----------------------------------------------------------------- numpy-side helpers
+def to_dev(a: np.ndarray):
+    """Bit-exact upload (through bytes, whatever the dtype)."""
+    a = np.ascontiguousarray(a)
+    return cupy.asarray(a.view(np.uint8)).view(a.dtype)
+
+
+def to_host(d) -> np.ndarray:
+    return cupy.asnumpy(d.view(np.uint8)).view(d.dtype)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(UINT[a.dtype.itemsize])
+
+
+def adversarial_f32(rng, n: int, dtype: np.dtype, group: int) -> np.ndarray:
+    """float32 values, one kind of trouble per group, then random normal groups of varied scales."""
+    info_max = float(np.finfo(dtype).max) if dtype != BF16 else float(ml_dtypes.finfo(BF16).max)
+    v = (rng.standard_normal(n) * np.repeat(10.0 ** rng.integers(-4, 4, n // group), group)).astype(np.float32)
+    g = [v[i * group:(i + 1) * group] for i in range(n // group)]
+    g[0][:] = 0                                            # all zero
+    g[1][3] = np.nan                                       # NaN
+    g[2][5] = np.inf                                       # +Inf
+    g[3][0] = -np.inf                                      # -Inf
+    g[4][:] = rng.standard_normal(group) * 1e-30           # tiny (0 or subnormal in 16-bit types)
+    g[5][:] = rng.standard_normal(group) * 1e-40           # fp32 / bf16 subnormals
+    g[5][::3] = 0
+    g[6][:] = info_max * np.sign(rng.standard_normal(group))  # dtype max, both signs
+    g[7][:] = rng.standard_normal(group) * 1e-3            # mixed: huge, tiny, -0
+    g[7][1], g[7][2], g[7][3] = info_max / 3, -1e-38, -0.0
+    g[8][:] = np.resize(np.float32([7, 3.5, 0.5, -2.5, 1.5, -0.5, 2.5, -3.5, 4.5, 5.5, 6.5, -6.5]), group)  # ties
+    g[9][:] = -0.0                                         # negative zeros
+    g[10][:] = rng.standard_normal(group) * (info_max / 8)  # large: ref rounding / residual may overflow
+    g[11][:group // 2] = np.nan
+    g[11][group // 2:] = -np.inf
+    g[12][:] = 2.0 ** -149 * rng.integers(-9, 10, group)   # scale subnormal: q may clip at 8/7
+    g[13][:] = 2.0 ** -149 * rng.integers(-3, 4, group)    # amax / 7 underflows: scale = 2^-149
+    g[13][0] = 2.0 ** -149
+    return v.reshape(-1, group)[rng.permutation(n // group)].reshape(-1)  # kinds at varied places
+
+
+def make_own(rng, n: int, dtype, group: int) -> np.ndarray:
+    return adversarial_f32(rng, S, dtype, group)[:n].astype(dtype)
+
+
+def make_incoming(rng, layout: Layout, n_in: int, dtype) -> np.ndarray:
+    """n_in slices encoded by the reference (from adversarial data of `dtype`)."""
+    B = layout.slice_bytes
+    wire = np.zeros(n_in * B, dtype=np.uint8)
+    for i in range(n_in):
+        NK.reduce_quantize(layout, None, 0, make_own(rng, S, dtype, layout.group), None,
+                           wire[i * B:(i + 1) * B], "float32")
+    return wire
+
+
+def make_residual(rng, dtype, kind: str):
+    if kind == "none":
+        return None
+    rdt = F32 if kind == "f32" else dtype
+    r = (rng.standard_normal(S) * 0.05).astype(np.float32)
+    r[7] = 1e-40
+    r[100] = -3.0e4  # large enough to push a float16 sum toward overflow
+    return r.astype(rdt)
+
+
+def ref_for(dtype, ref: str):
+    return "float32" if ref == "f32" else dtype
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if got.dtype == np.uint8:
+        ok = np.array_equal(got, want)
+    else:
+        ok = np.array_equal(bits(got), bits(want))
+    if not ok:
+        g, w = (got, want) if got.dtype == np.uint8 else (bits(got), bits(want))
+        idx = np.flatnonzero(g != w)
+        raise AssertionError(f"{what}: {idx.size} differing elements, first at {idx[:8].tolist()}: "
+                             f"got {g[idx[:8]].tolist()} want {w[idx[:8]].tolist()}")
+
+
+def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host, ref_dtype, case):
+    """One reduce_quantize on both engines from identical inputs; compare; return the new residuals."""
+    B = layout.slice_bytes
+    wire_np = np.full(B, 0xAB, dtype=np.uint8)
+    res_np = None if residual_host is None else residual_host.copy()
+    NK.reduce_quantize(layout, incoming, own_pos, own_host, res_np, wire_np, ref_dtype)
+
+    big = np.zeros(own_host.size + own_offset + 3, dtype=own_host.dtype)
+    big[own_offset:own_offset + own_host.size] = own_host
+    own_d = to_dev(big)[own_offset:own_offset + own_host.size]
+    inc_d = None if incoming is None else to_dev(incoming)
+    res_d = None if residual_host is None else to_dev(residual_host)
+    wire_d = to_dev(np.full(B, 0x5C, dtype=np.uint8))
+    ck.reduce_quantize(layout, inc_d, own_pos, own_d, res_d, wire_d, ref_dtype)
+    cupy.cuda.get_current_stream().synchronize()
+
+    assert_same_bits(to_host(wire_d), wire_np, f"wire {case}")
+    if res_np is not None:
+        assert_same_bits(to_host(res_d), res_np, f"residual {case}")
+    assert_same_bits(to_host(own_d), own_host, f"own unchanged {case}")
+    return res_np, wire_np
+
+
+# ------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def ck():
+    return CudaKernels()
+
+
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("res", ["none", "f32", "input"])
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_reduce_quantize_matches_numpy(ck, dt, res, group):
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([ord(c) for c in dt + res] + [group])
+    layout = Layout(S, 1, group)
+    refs = ["f32"] if (res == "none" or dtype == F32) else ["f32", "in"]
+    cases = [  # (n_in, own_pos, own_n, offset)
+        (0, 0, S, 0), (0, 0, 1000, 0), (0, 0, 513, 1), (0, 0, 1, 0), (0, 0, 0, 0), (0, 0, S - 3, 1),
+        (1, 1, S, 0), (1, 0, 1000, 1), (1, 1, 0, 0),
+        (3, 0, S, 0), (3, 1, 513, 0), (3, 3, 1, 1), (3, 2, S, 1),
+    ]
+    for ref in refs:
+        ref_dtype = ref_for(dtype, ref)
+        for n_in, own_pos, own_n, off in cases:
+            incoming = None if n_in == 0 else make_incoming(rng, layout, n_in, dtype)
+            own = make_own(rng, own_n, dtype, group)
+            residual = make_residual(rng, dtype, res)
+            case = f"{dt} res={res} ref={ref} G={group} n_in={n_in} own_pos={own_pos} own_n={own_n} off={off}"
+            run_both(ck, layout, incoming, own_pos, own, off, residual, ref_dtype, case)
+
+
+@pytest.mark.parametrize("res", ["f32", "input"])
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_residual_feedback_over_calls(ck, dt, res):
+    """Consecutive calls, each fed the residual the previous one left (both engines' own)."""
+    dtype, group = DTYPES[dt], 32
+    rng = np.random.default_rng(7)
+    layout = Layout(S, 1, group)
+    residual = make_residual(rng, dtype, res)
+    ref_dtype = ref_for(dtype, "in")
+    for step in range(4):
+        n_in = step % 3
+        incoming = None if n_in == 0 else make_incoming(rng, layout, n_in, dtype)
+        own = make_own(rng, S - 7 * step, dtype, group)
+        residual, _ = run_both(ck, layout, incoming, n_in, own, step % 2, residual, ref_dtype,
+                               f"{dt} res={res} step={step}")
+
+
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_dequantize_matches_numpy(ck, dt, group):
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng(group)
+    layout = Layout(3 * S, 3, group)
+    wire = make_incoming(rng, layout, 3, dtype)
+    wire_d = to_dev(wire)
+    for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0), (0, 0)]:
+        want = np.zeros(count, dtype=dtype)
+        NK.dequantize(layout, wire, want)
+        big = to_dev(np.full(count + off + 4, 77, dtype=dtype))
+        out = big[off:off + count]
+        ck.dequantize(layout, wire_d, out)
+        cupy.cuda.get_current_stream().synchronize()
+        host = to_host(big)
+        assert_same_bits(host[off:off + count], want, f"dequantize {dt} G={group} count={count} off={off}")
+        guard = np.concatenate([host[:off], host[off + count:]])
+        assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
+        assert np.isnan(want.astype(np.float32)).any() or count < S, "the wire should carry NaN groups"
+
+
+def test_large_slice_grid_stride():
+    """A slice bigger than one grid (blocks_per_sm=1): the grid-stride loop, several incoming slices."""
+    ck1 = CudaKernels(blocks_per_sm=1)
+    rng = np.random.default_rng(3)
+    big_s = 1 << 19
+    layout = Layout(big_s * 4, 4, 64)
+    assert layout.slice_elems == big_s
+    B = layout.slice_bytes
+    dtype = BF16
+    incoming = np.zeros(3 * B, dtype=np.uint8)
+    for i in range(3):
+        v = (rng.standard_normal(big_s) * 3).astype(dtype)
+        NK.reduce_quantize(layout, None, 0, v, None, incoming[i * B:(i + 1) * B], "float32")
+    own = (rng.standard_normal(big_s - 9) * 3).astype(dtype)
+    residual = (rng.standard_normal(big_s) * 0.01).astype(np.float32)
+    _, wire = run_both(ck1, layout, incoming, 2, own, 0, residual, dtype, "large bf16 G=64")
+    out_np = np.zeros(big_s * 4 - 100, dtype=dtype)
+    gather = np.concatenate([incoming, wire])
+    NK.dequantize(layout, gather, out_np)
+    out_d = cupy.zeros(out_np.size, dtype=dtype)
+    ck1.dequantize(layout, to_dev(gather), out_d)
+    assert_same_bits(to_host(out_d), out_np, "large dequantize")
+
+
+def test_no_allocation_and_current_stream(ck):
+    """Launches go on the current stream and allocate nothing from cupy's pool."""
+    layout = Layout(S, 1, 32)
+    own = to_dev(np.ones(S, dtype=F16))
+    res = cupy.zeros(S, dtype=np.float32)
+    wire = cupy.zeros(layout.slice_bytes, dtype=np.uint8)
+    out = cupy.zeros(S, dtype=F16)
+    ck.reduce_quantize(layout, None, 0, own, res, wire, F16)  # warm: load the kernels
+    ck.dequantize(layout, wire, out)
+    pool = cupy.get_default_memory_pool()
+    used = pool.used_bytes()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):
+            ck.reduce_quantize(layout, None, 0, own, res, wire, F16)
+            ck.dequantize(layout, wire, out)
+    stream.synchronize()
+    assert pool.used_bytes() == used
+    assert (to_host(out) == np.float16(1)).all()
+
+
+def test_argument_checks(ck):
+    """Bad views are refused before any launch (an out-of-bounds write would corrupt memory)."""
+    layout = Layout(S, 1, 32)
+    B = layout.slice_bytes
+    own = cupy.zeros(S + 8, dtype=F16)
+    res = cupy.zeros(S + 8, dtype=np.float32)
+    wire = cupy.zeros(2 * B + 4, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        ck.reduce_quantize(layout, None, 0, own, None, wire[:B], "float32")          # own too long
+    with pytest.raises(ValueError):
+        ck.reduce_quantize(layout, None, 0, own[:S], res, wire[:B], "float32")       # residual size
+    with pytest.raises(ValueError):
+        ck.reduce_quantize(layout, None, 0, own[:S:2], None, wire[:B], "float32")    # strided own
+    with pytest.raises(ValueError):
+        ck.reduce_quantize(layout, None, 0, own[:S], None, wire[1:B + 1], "float32")  # misaligned wire
+    with pytest.raises(ValueError):
+        ck.reduce_quantize(layout, wire[:B], 2, own[:S], None, wire[B:2 * B], "float32")  # own_pos > n_in
+    with pytest.raises(TypeError):
+        ck.reduce_quantize(layout, None, 0, own[:S], res[:S].astype(np.float16).view(BF16), wire[:B], F16)
+    with pytest.raises(ValueError):
+        ck.dequantize(layout, wire[:B], cupy.zeros(S + 1, dtype=F16))               # wire too short

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, echonccl-perf in three regimes.
+#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|perf|all]
+# Needs cupy, mpi4py, NCCL and an MPI launcher (mpirun) already installed.
+set -uo pipefail
+out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|perf|all]}
+what=${2:-all}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -np 2"
+PERF_ARGS=${PERF_ARGS:--b 64K -e 1G -f 4 -d bfloat16 -n 20 -w 5 --algo both}
+status=0
+
+if [[ $what == tests || $what == all ]]; then
+  nvidia-smi topo -m
+  $PY -m pytest -q -ra tests/test_gpu_kernels.py tests/test_nccl_binding.py tests/test_gpu_multirank.py \
+      $(ls tests/test_gpu_hardening.py tests/test_examples.py 2>/dev/null) || status=1
+fi
+if [[ $what == kernels || $what == all ]]; then
+  $PY tools/kernel_bench.py || status=1
+fi
+if [[ $what == perf || $what == all ]]; then
+  for regime in nvlink p2p sock; do
+    case $regime in
+      nvlink) env=() ;;
+      p2p) env=(-x NCCL_P2P_DISABLE=1) ;;
+      sock) env=(-x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1) ;;
+    esac
+    echo "### regime $regime: $MPIRUN ${env[*]} $PY -m echonccl.perf.all_reduce $PERF_ARGS"
+    $MPIRUN "${env[@]}" $PY -m echonccl.perf.all_reduce $PERF_ARGS \
+        -J "$out/$regime.json" --plot "$out/$regime.png" || status=1
+  done
+fi
+exit $status

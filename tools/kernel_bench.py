@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Codec kernel bandwidth on one GPU: bytes each kernel moves (read + written) over its time,
+against the device-to-device copy bandwidth measured in the same run.
+
+    python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--markdown]
+"""
+from __future__ import annotations
+
+import argparse
+
+import cupy as cp
+import numpy as np
+
+from echonccl import dtypes
+from echonccl.kernels_cuda import CudaKernels
+from echonccl.layout import Layout
+
+
+def time_us(fn, iters: int) -> float:
+    """Median of per-call CUDA-event times in microseconds, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    ev[-1][1].synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]))
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    a = cp.empty(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    t = time_us(lambda: b.__setitem__(Ellipsis, a), iters)
+    return 2 * nbytes / t / 1e6  # TB/s
+
+
+def bench(elems: int, iters: int, group: int):
+    k = CudaKernels()
+    rows = []
+    L = Layout(elems, 1, group)
+    S, B = L.slice_elems, L.slice_bytes
+    for dt in ("bfloat16", "float16", "float32"):
+        ndt = dtypes.numpy_dtype(dt)
+        own = cp.random.standard_normal(S, dtype=cp.float32).astype(ndt)
+        for rdt, n_in in (("float32", 0), ("input", 0), ("float32", 1), ("input", 1), ("float32", 7)):
+            rd = np.dtype(np.float32) if rdt == "float32" else ndt
+            res = cp.zeros(S, dtype=rd)
+            inc = cp.zeros(max(n_in, 1) * B, dtype=cp.uint8) if n_in else None
+            out = cp.empty(B, dtype=cp.uint8)
+            t = time_us(lambda: k.reduce_quantize(L, inc, n_in, own, res, out, ndt), iters)
+            moved = n_in * B + own.nbytes + 2 * res.nbytes + B
+            rows.append((f"reduce_quantize in={dt} residual={rd.name} n_in={n_in}", moved, t))
+        wire = cp.zeros(B, dtype=cp.uint8)
+        dst = cp.empty(S, dtype=ndt)
+        t = time_us(lambda: k.dequantize(L, wire, dst), iters)
+        rows.append((f"dequantize out={dt}", B + dst.nbytes, t))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--elems", type=lambda s: int(eval(s, {})), default=2 ** 26)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--group", type=int, default=32)
+    a = p.parse_args()
+    copy = copy_bandwidth(1 << 30, a.iters)
+    print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements, G={a.group}")
+    print("| kernel | MB moved | time (us) | TB/s | % of copy |")
+    print("|---|---:|---:|---:|---:|")
+    for name, moved, t in bench(a.elems, a.iters, a.group):
+        bw = moved / t / 1e6
+        print(f"| {name} | {moved / 1e6:.1f} | {t:.1f} | {bw:.2f} | {100 * bw / copy:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
