@@ -93,11 +93,13 @@ class Communicator:
         xa = eng.as_array(x)
         name = dtypes.canonical(xa.dtype)
         oa = self._output(x, xa, out)
+        xf, of = eng.flat(xa), eng.flat(oa)
         algo = self._algorithm(algorithm, xa)
+        self._check_feedback(feedback, xa.size, name)
+        # Every argument error above is local and raised before any communication.
         self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
-                                feedback is False))
+                                feedback is False, tuple(xa.shape)))
         with eng.stream_scope(stream):
-            xf, of = eng.flat(xa), eng.flat(oa)
             if xa.size == 0:
                 pass
             elif self.size == 1:
@@ -141,7 +143,8 @@ class Communicator:
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
         """Release buffers and the engine's resources (NCCL communicator). Not collective on CPU;
-        on GPU every rank should close. Idempotent."""
+        on GPU every rank should close, after destroying any CUDA graph that captured one of
+        its calls (NCCL waits for those graphs to go). Idempotent."""
         if not self._closed:
             self._closed = True
             self._workspaces.clear()
@@ -192,10 +195,19 @@ class Communicator:
             return
         keys = self.engine.allgather_object(key)
         if any(k != keys[0] for k in keys):
-            detail = "; ".join(f"rank {r}: count={k[1]} dtype={k[2]} algorithm={k[3]} group={k[4]}"
-                               f"{' no feedback' if k[5] else ''}" for r, k in enumerate(keys))
+            detail = "; ".join(f"rank {r}: count={k[1]} shape={k[6]} dtype={k[2]} algorithm={k[3]} "
+                               f"group={k[4]}{' no feedback' if k[5] else ''}" for r, k in enumerate(keys))
             raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
         self._checked.add(key)
+
+    def _check_feedback(self, feedback, count: int, name: str) -> None:
+        """Reject, before any communication, a ``feedback`` that is not a state or is bound elsewhere."""
+        if feedback is None or feedback is False:
+            return
+        if not isinstance(feedback, Feedback):
+            raise TypeError(f"feedback must be a Feedback, False or None, not {type(feedback).__name__}")
+        if feedback.enabled:
+            feedback.check_key((count, self.size, self.config.group_size, name))
 
     def _feedback(self, feedback, layout, name):
         if feedback is False:

@@ -116,12 +116,15 @@ class GpuEngine:
         on this engine's device; `TypeError` for host arrays and unsupported dtypes."""
         if isinstance(x, cupy.ndarray):
             a = x
+        elif isinstance(x, np.ndarray):
+            raise TypeError("the GPU engine takes device arrays; this is a host numpy array")
+        elif hasattr(x, "__dlpack__"):      # first: PyTorch exports bf16 as "<V2" through the CAI
+            if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) in (1, 3):
+                raise TypeError(f"the GPU engine takes device arrays; this {type(x).__name__} is in host "
+                                f"memory (DLPack device {x.__dlpack_device__()})")
+            a = cupy.from_dlpack(x)
         elif hasattr(x, "__cuda_array_interface__"):
             a = cupy.asarray(x)
-        elif hasattr(x, "__dlpack__"):
-            if isinstance(x, np.ndarray):
-                raise TypeError("the GPU engine takes device arrays; this is a host numpy array")
-            a = cupy.from_dlpack(x)
         else:
             raise TypeError(f"the GPU engine takes cupy arrays or objects with __cuda_array_interface__ "
                             f"or __dlpack__, not {type(x).__name__}")
@@ -171,7 +174,8 @@ class GpuEngine:
         """Wait for the current stream; a peer that stops answering raises `PeerTimeoutError`
         after ``timeout`` (default: the engine's) and aborts the NCCL communicator."""
         stream = cupy.cuda.get_current_stream()
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while not stream.done:
             err = self.nccl.async_error()
             if err not in (0, 7):  # ncclSuccess, ncclInProgress
@@ -180,7 +184,7 @@ class GpuEngine:
             if time.monotonic() > deadline:
                 self.nccl.abort()
                 raise PeerTimeoutError(f"rank {self.transport.rank}: GPU work did not finish within "
-                                       f"{self.timeout:g} s (a peer died or hangs); NCCL communicator aborted")
+                                       f"{timeout:g} s (a peer died or hangs); NCCL communicator aborted")
             time.sleep(1e-4)
 
     def close(self) -> None:

@@ -233,6 +233,7 @@ def check_graph_replay():
         for g, e in zip(results, expect):
             assert same_bits(g, e), f"{algo}: graph replay differs from eager calls"
         assert not same_bits(results[0], results[1]), f"{algo}: replays did not carry the feedback state"
+        del graph  # NCCL keeps a reference per captured graph: destroy graphs before closing
     comm.close()
 
 
@@ -245,10 +246,10 @@ def check_torch_interop():
     assert "torch" not in {m.split(".")[0] for m in sys.modules if m.startswith("echonccl")}
     for dt in ("bfloat16", "float16", "float32"):
         x = rank_data(4099, dt, seed=5)
-        expect = cpu.all_reduce(x, feedback=False)
+        expect = cpu.all_reduce(x, feedback=False, algorithm="two_shot")
         t = torch.from_numpy(x.view(np.uint16) if dt == "bfloat16" else x)
         t = (t.view(torch.bfloat16) if dt == "bfloat16" else t).to(f"cuda:{comm.engine.device.id}")
-        comm.all_reduce(t, t, feedback=False)                       # in place on the tensor
+        comm.all_reduce(t, t, feedback=False, algorithm="two_shot")  # in place on the tensor
         torch.cuda.synchronize()
         got = t.cpu()
         got = got.view(torch.uint16).numpy().view(x.dtype) if dt == "bfloat16" else got.numpy()
@@ -262,6 +263,10 @@ CHECKS = {f.__name__[len("check_"):]: f for f in
            check_matches_reference, check_graph_replay, check_torch_interop)}
 
 if __name__ == "__main__":
+    import faulthandler
+    import os
+
+    faulthandler.dump_traceback_later(float(os.environ.get("CHECK_WATCHDOG", 500)), exit=True)
     CHECKS[sys.argv[1]]()
     WORLD.Barrier()
     if RANK == 0:
