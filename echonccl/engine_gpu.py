@@ -164,8 +164,17 @@ class GpuEngine:
         self.nccl.all_reduce(x.data.ptr, out.data.ptr, x.size, dtypes.canonical(x.dtype), _current_stream_ptr())
 
     def crossover_bytes(self, nranks: int) -> int:
-        """Below this input size ``auto`` dispatches to NCCL (measured on H200s, BENCHMARKS.md)."""
-        return 4 << 20
+        """Below this input size ``auto`` dispatches to NCCL's own all-reduce.
+
+        Measured on two H200s with echonccl-perf (BENCHMARKS.md), by the transport
+        NCCL is told to use: NVLink/P2P 128 MiB (4-bit reaches 1.0x at 64 MiB),
+        ``NCCL_P2P_DISABLE=1`` 8 MiB (0.95-1.04x at 4 MiB, 2.0x at 16 MiB), and
+        with ``NCCL_SHM_DISABLE=1`` too (sockets) 2 MiB (2.4x at 16 MiB). Override
+        with ``ECHONCCL_CROSSOVER_BYTES``.
+        """
+        if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
+            return (2 << 20) if os.environ.get("NCCL_SHM_DISABLE", "0") not in ("0", "") else (8 << 20)
+        return 128 << 20
 
     def preferred_schedule(self, nranks: int) -> str:
         return "two_shot"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from . import codec
 
@@ -25,13 +26,13 @@ class Layout:
             raise ValueError(f"bad layout: count={self.count} nranks={self.nranks}")
         codec.check_group_size(self.group)
 
-    @property
+    @cached_property
     def slice_elems(self) -> int:
         q = codec.SLICE_QUANTUM
         per_rank = -(-self.count // self.nranks)
         return max(q, -(-per_rank // q) * q)
 
-    @property
+    @cached_property
     def slice_bytes(self) -> int:
         return codec.slice_bytes(self.slice_elems, self.group)
 
