@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echonccl.perf import all_reduce, common
+from echonccl import dtypes
+from echonccl.perf import all_reduce, arrays, bench, check, options, report, table
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -29,6 +30,7 @@ SMOKE_ARGS = ["--engine", "cpu", "-b", "1K", "-e", "64K", "-f", "4", "-n", "3", 
               "--algo", "both", "-J", "tmp.json", "--csv", "tmp.csv", "--plot", "tmp.png"]
 SMOKE_SIZES = [1024, 4096, 16384, 65536]
 LABELS = ["MPI", "two_shot", "ring"]
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def test_smoke_cpu(tmp_path, nranks):
     proc = _launch(nranks, SMOKE_ARGS, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert f"# echonccl-perf all_reduce: echonccl" in out and f"{nranks} ranks" in out
+    assert "# echonccl-perf all_reduce: echonccl" in out and f"{nranks} ranks" in out
     assert "# baseline : MPI (" in out
     assert sum(ln.startswith("#  Rank ") and " Group  0 Pid " in ln for ln in out.splitlines()) == nranks
     names = next(ln for ln in out.splitlines() if ln.startswith("#") and "algbw" in ln).split()
@@ -87,7 +89,24 @@ def test_smoke_cpu(tmp_path, nranks):
     assert "# Avg bus bandwidth" in out and "# Geomean speedup" in out and "# Check                : OK" in out
     _check_json(tmp_path / "tmp.json", nranks)
     _check_csv(tmp_path / "tmp.csv")
-    assert (tmp_path / "tmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "tmp.png").read_bytes()[:8] == PNG
+    _check_report(tmp_path, nranks)
+
+
+def _check_report(tmp_path: Path, nranks: int) -> None:
+    """python -m echonccl.perf.report on the smoke run's JSON: one markdown row per size, the plot."""
+    proc = subprocess.run([sys.executable, "-m", "echonccl.perf.report", "tmp.json", "--markdown",
+                           "--plot", "again.png"], cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("cpu") and f", {nranks} ranks, bfloat16, group " in lines[0]
+    assert lines[0].endswith(", feedback on")
+    assert lines[2] == ("| size | MPI (us) | busbw (GB/s) | two_shot (us) | busbw | speedup | ring (us) | "
+                        "busbw | speedup | relerr | #wrong |")
+    assert [ln.split(" | ")[0] for ln in lines[4:]] == ["| 1 KiB", "| 4 KiB", "| 16 KiB", "| 64 KiB"]
+    assert all(ln.endswith(" | 0 |") for ln in lines[4:])
+    assert (tmp_path / "again.png").read_bytes()[:8] == PNG
 
 
 def _check_json(path: Path, nranks: int) -> None:
@@ -122,7 +141,7 @@ BAD_TOOL = """
     import sys
     from dataclasses import replace
     import numpy as np
-    from echonccl.perf import common
+    from echonccl.perf import bench
     from echonccl.perf.all_reduce import ALL_REDUCE
 
     def variants(comm, opts):
@@ -131,9 +150,9 @@ BAD_TOOL = """
             out[5] = np.nan                 # non-finite where the exact sum is finite
             if comm.rank == 1:
                 out[:3] = -1000.0             # rank 1 disagrees with rank 0 on 3 elements
-        return [common.Variant("bad", False, lambda: call)]
+        return [bench.Variant("bad", False, lambda: call)]
 
-    sys.exit(common.run(replace(ALL_REDUCE, variants=variants), sys.argv[1:]))
+    sys.exit(bench.run(replace(ALL_REDUCE, variants=variants), sys.argv[1:]))
 """
 
 
@@ -143,7 +162,7 @@ def test_wrong_results_fail(tmp_path):
     script.write_text(textwrap.dedent(BAD_TOOL))
     proc = _launch(2, ["--engine", "cpu", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0", "-J", "bad.json"],
                    tmp_path, script)
-    assert proc.returncode == common.EXIT_FAILED, proc.stdout + proc.stderr
+    assert proc.returncode == options.EXIT_FAILED, proc.stdout + proc.stderr
     assert "# Check                : FAILED" in proc.stdout
     result = json.loads((tmp_path / "bad.json").read_text())["results"][0]["results"][0]
     assert result["wrong"] == 4 and result["relerr"] is None     # NaN is written as null
@@ -160,7 +179,7 @@ def test_single_rank_run(no_env_overrides, capsys):
 
 def test_cudagraph_needs_gpu(no_env_overrides, capsys):
     rc = all_reduce.main(["--engine", "cpu", "-G", "1", "-b", "1K", "-e", "1K"])
-    assert rc == common.EXIT_USAGE
+    assert rc == options.EXIT_USAGE
     assert "-G (CUDA-graph replay) needs the GPU engine" in capsys.readouterr().err
 
 
@@ -168,7 +187,7 @@ def test_bad_options_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         all_reduce.main(["-b", "12Q"])
     assert exc.value.code == 2
-    assert all_reduce.main(["-b", "1M", "-e", "1K"]) == common.EXIT_USAGE
+    assert all_reduce.main(["-b", "1M", "-e", "1K"]) == options.EXIT_USAGE
 
 
 @pytest.mark.parametrize("limit", [all_reduce.GATHER_LIMIT_BYTES, 0])
@@ -176,89 +195,89 @@ def test_exact_sum_single_rank(monkeypatch, limit):
     from mpi4py import MPI
 
     monkeypatch.setattr(all_reduce, "GATHER_LIMIT_BYTES", limit)   # 0: the chunked MPI reduce
-    monkeypatch.setattr(common, "CHUNK_ELEMS", 7)
-    x = common.HostArrays().random(100, np.float16, seed=3)
+    monkeypatch.setattr(check, "CHUNK_ELEMS", 7)
+    x = arrays.HostArrays().random(100, np.float16, seed=3)
     ref = all_reduce.exact_sum(MPI.COMM_SELF, x)
     np.testing.assert_array_equal(ref, x.astype(np.float64))
 
 
 # -- units -----------------------------------------------------------------------------------------
 def test_parse_size():
-    assert common.parse_size("1K") == 1024
-    assert common.parse_size("64M") == 64 << 20
-    assert common.parse_size("1G") == 1 << 30
-    assert common.parse_size("4096") == 4096
-    assert common.parse_size("1.5k") == 1536
-    assert common.parse_size("2MB") == common.parse_size("2MiB") == 2 << 20
+    assert options.parse_size("1K") == 1024
+    assert options.parse_size("64M") == 64 << 20
+    assert options.parse_size("1G") == 1 << 30
+    assert options.parse_size("4096") == 4096
+    assert options.parse_size("1.5k") == 1536
+    assert options.parse_size("2MB") == options.parse_size("2MiB") == 2 << 20
     for bad in ("", "K", "1Q", "-1", "1 K B x"):
         with pytest.raises(ValueError):
-            common.parse_size(bad)
+            options.parse_size(bad)
 
 
 def test_size_sweep():
-    assert common.size_sweep(1024, 65536, stepfactor=4) == SMOKE_SIZES
-    assert common.size_sweep(1000, 3500, stepbytes=1000) == [1000, 2000, 3000]
-    assert common.size_sweep(0, 8, stepfactor=2) == [0, 1, 2, 4, 8]
+    assert options.size_sweep(1024, 65536, stepfactor=4) == SMOKE_SIZES
+    assert options.size_sweep(1000, 3500, stepbytes=1000) == [1000, 2000, 3000]
+    assert options.size_sweep(0, 8, stepfactor=2) == [0, 1, 2, 4, 8]
     with pytest.raises(ValueError):
-        common.size_sweep(2, 1)
+        options.size_sweep(2, 1)
     with pytest.raises(ValueError):
-        common.size_sweep(1, 2, stepfactor=1, stepbytes=0)
-    assert common.element_counts([0, 1, 2, 3, 4], 2) == [(2, 1), (4, 2)]
+        options.size_sweep(1, 2, stepfactor=1, stepbytes=0)
+    assert options.element_counts([0, 1, 2, 3, 4], 2) == [(2, 1), (4, 2)]
 
 
 def test_bus_bandwidth():
     assert [all_reduce.bus_factor(p) for p in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
-    assert common.bus_bandwidth(10.0, 4, all_reduce.bus_factor) == pytest.approx(15.0)
-    assert common.bus_bandwidth(10.0, 2, all_reduce.bus_factor) == pytest.approx(10.0)
+    assert bench.bus_bandwidth(10.0, 4, all_reduce.bus_factor) == pytest.approx(15.0)
+    assert bench.bus_bandwidth(10.0, 2, all_reduce.bus_factor) == pytest.approx(10.0)
 
 
 def test_buffer_count():
     big = 1 << 40
-    assert common.buffer_count(1024, big) == common.MAX_BUFFERS
-    assert common.buffer_count(64 << 20, big) == 4
-    assert common.buffer_count(1 << 30, big) == common.MIN_BUFFERS
-    assert common.buffer_count(1 << 30, 2 << 30) == 1          # memory-capped, never 0
+    assert arrays.buffer_count(1024, big) == arrays.MAX_BUFFERS
+    assert arrays.buffer_count(64 << 20, big) == 4
+    assert arrays.buffer_count(1 << 30, big) == arrays.MIN_BUFFERS
+    assert arrays.buffer_count(1 << 30, 2 << 30) == 1          # memory-capped, never 0
 
 
 def test_random_inputs_nonzero_and_seeded():
-    arrays = common.HostArrays()
+    host = arrays.HostArrays()
     for dt in ("float16", "bfloat16", "float32"):
-        a = arrays.random(100_000, common.dtypes.numpy_dtype(dt), seed=1)
+        a = host.random(100_000, dtypes.numpy_dtype(dt), seed=1)
         assert a.dtype.name == dt and np.all(a.astype(np.float64) != 0)
-    s = {common.seed_for(r, n, i) for r in range(2) for n in (1024, 2048) for i in range(2)}
+    s = {arrays.seed_for(r, n, i) for r in range(2) for n in (1024, 2048) for i in range(2)}
     assert len(s) == 8
 
 
 def test_accuracy_stats():
     ref = np.arange(1.0, 9.0)
-    assert common.accuracy_stats(ref.astype(np.float32), ref) == (0.0, 0.0, 0)
+    assert check.accuracy_stats(ref.astype(np.float32), ref) == (0.0, 0.0, 0)
     out = ref.copy()
     out[2] += 0.5
-    relerr, maxerr, wrong = common.accuracy_stats(out, ref)
+    relerr, maxerr, wrong = check.accuracy_stats(out, ref)
     assert relerr == pytest.approx(0.5 / np.linalg.norm(ref)) and maxerr == 0.5 and wrong == 0
     out[4] = np.inf
     diverged = np.zeros(8, dtype=bool)
     diverged[[0, 4]] = True
-    relerr, maxerr, wrong = common.accuracy_stats(out, ref, diverged)
-    assert wrong == 2 and not relerr <= common.MAX_RELERR
+    relerr, maxerr, wrong = check.accuracy_stats(out, ref, diverged)
+    assert wrong == 2 and not relerr <= check.MAX_RELERR
 
 
 def test_result_ok():
-    r = common.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 0)
+    r = check.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 0)
     assert r.ok()
-    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, 0.6, 0.2, 0).ok()
-    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, math.nan, 0.2, 0).ok()
-    assert not common.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 3).ok()
-    assert common.Result("x", False, 1.0, 1.0, 1.0).ok()       # unchecked (-c 0)
+    assert not check.Result("x", False, 1.0, 1.0, 1.0, None, 0.6, 0.2, 0).ok()
+    assert not check.Result("x", False, 1.0, 1.0, 1.0, None, math.nan, 0.2, 0).ok()
+    assert not check.Result("x", False, 1.0, 1.0, 1.0, None, 0.1, 0.2, 3).ok()
+    assert check.Result("x", False, 1.0, 1.0, 1.0).ok()       # unchecked (-c 0)
 
 
 def test_table_columns_align():
-    variants = [common.Variant("MPI", True, None), common.Variant("ring", False, None)]
-    row = common.Row(1024, 512, "bfloat16", 8, [
-        common.Result("MPI", True, 12.5, 0.08, 0.08, None, 1e-3, 2e-3, 0),
-        common.Result("ring", False, 25000.0, 0.04, 0.04, 0.5, 0.1, 0.4, 0)])
-    header = common.table_header(variants)
-    line = common.table_row(row)
+    variants = [bench.Variant("MPI", True, None), bench.Variant("ring", False, None)]
+    row = check.Row(1024, 512, "bfloat16", 8, [
+        check.Result("MPI", True, 12.5, 0.08, 0.08, None, 1e-3, 2e-3, 0),
+        check.Result("ring", False, 25000.0, 0.04, 0.04, 0.5, 0.1, 0.4, 0)])
+    header = table.table_header(variants)
+    line = table.table_row(row)
     assert len(line) == len(header[1]) and "MPI" in header[0] and "ring" in header[0]
     ends = lambda s: [i for i in range(len(s)) if s[i] != " " and (i + 1 == len(s) or s[i + 1] == " ")]  # noqa
     assert ends(line) == ends(" " + header[1][1:])   # every value ends under its column name
@@ -267,17 +286,106 @@ def test_table_columns_align():
 
 def test_progress_bar():
     buf = io.StringIO()
-    bar = common.Progress(4, True, width=8, stream=buf)
+    bar = table.Progress(4, True, width=8, stream=buf)
     bar.show(2, "64 KiB")
     bar.clear()
     assert "[####    ] 2/4 64 KiB" in buf.getvalue() and buf.getvalue().endswith("\r")
     quiet = io.StringIO()
-    common.Progress(4, False, stream=quiet).show(1, "x")
+    table.Progress(4, False, stream=quiet).show(1, "x")
     assert quiet.getvalue() == ""
 
 
 def test_nccl_version_format():
-    assert common.format_nccl_version(22805) == "2.28.5"
-    assert common.format_nccl_version(2708) == "2.7.8"
-    assert common.format_nccl_version((2, 28, 3)) == "2.28.3"
-    assert common.format_nccl_version("2.28.3") == "2.28.3"
+    assert table.format_nccl_version(22805) == "2.28.5"
+    assert table.format_nccl_version(2708) == "2.7.8"
+    assert table.format_nccl_version((2, 28, 3)) == "2.28.3"
+    assert table.format_nccl_version("2.28.3") == "2.28.3"
+
+
+# -- python -m echonccl.perf.report: JSON written by -J back to markdown and a plot ---------------
+INFO = {"collective": "all_reduce", "nranks": 4, "engine": "gpu", "engine_description": "gpu (test)",
+        "baseline": "NCCL", "baseline_run": True, "dtype": "bfloat16", "group_size": 32, "feedback": True,
+        "algorithms": ["two_shot", "ring"]}
+
+
+def _rows(baseline: bool = True, checked: bool = True) -> list:
+    """Two sizes of synthetic results, as `Bench.row` makes them."""
+    rows = []
+    for size, t in ((1 << 20, 10.0), (1 << 30, 2000.0)):
+        err = lambda e, w: (e, 2 * e, w) if checked else (None, None, None)  # noqa: E731
+        results = [check.Result("NCCL", True, t, size / t / 1e3, 1.5 * size / t / 1e3, None, *err(0.002, 0))]
+        for label, f, wrong in (("two_shot", 2.0, 0), ("ring", 0.5, 3)):
+            results.append(check.Result(label, False, t * f, size / (t * f) / 1e3, 1.5 * size / (t * f) / 1e3,
+                                        1 / f, *err(0.12 if label == "ring" else 0.11, wrong)))
+        rows.append(check.Row(size, size // 2, "bfloat16", 4, results[0 if baseline else 1:]))
+    return rows
+
+
+def _write(path: Path, rows, **info) -> Path:
+    variants = [bench.Variant(r.label, r.baseline, None) for r in rows[0].results]
+    report.write_json(str(path), dict(INFO, **info), rows, report.summary(rows, variants))
+    return path
+
+
+def test_report_load_json_round_trip(tmp_path):
+    rows = _rows()
+    info, back = report.load_json(str(_write(tmp_path / "run.json", rows)))
+    assert back == rows and info == INFO
+    rows[1].results[2].relerr = math.nan            # written as null, read back as None
+    _, back = report.load_json(str(_write(tmp_path / "nan.json", rows)))
+    assert back[1].results[2].relerr is None and back[1].results[2].wrong == 3
+
+
+def test_report_markdown(tmp_path, capsys):
+    path = _write(tmp_path / "run.json", _rows())
+    assert report.main([str(path), "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:4] == [
+        "gpu (test), 4 ranks, bfloat16, group 32, feedback on", "",
+        "| size | NCCL (us) | busbw (GB/s) | two_shot (us) | busbw | speedup | ring (us) | busbw | speedup "
+        "| relerr | #wrong |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    assert lines[4] == "| 1 MiB | 10.0 | 157.3 | 20.0 | 78.6 | 0.50x | 5.0 | 314.6 | 2.00x | 0.120 | 3 |"
+    assert lines[5] == ("| 1 GiB | 2000.0 | 805.3 | 4000.0 | 402.7 | 0.50x | 1000.0 | 1610.6 | 2.00x "
+                        "| 0.120 | 3 |")
+    assert len(lines) == 6
+
+
+def test_report_markdown_without_baseline_or_check(tmp_path, capsys):
+    one = _write(tmp_path / "one.json", _rows(baseline=False), baseline_run=False, feedback=False, nranks=1)
+    two = _write(tmp_path / "two.json", _rows(checked=False))
+    assert report.main([str(one), str(two)]) == 0          # markdown is the default without --plot
+    head1, table1, head2, table2 = capsys.readouterr().out.split("\n\n")   # a blank line between
+    assert head1 == "gpu (test), 1 rank, bfloat16, group 32, feedback off"
+    lines = table1.splitlines()
+    assert lines[0] == "| size | two_shot (us) | busbw | ring (us) | busbw | relerr | #wrong |"
+    assert lines[2] == "| 1 MiB | 20.0 | 78.6 | 5.0 | 314.6 | 0.120 | 3 |"
+    assert head2 == "gpu (test), 4 ranks, bfloat16, group 32, feedback on"
+    assert table2.splitlines()[2].endswith(" | 2.00x | N/A | N/A |")
+    rows = _rows()
+    rows[0].results[1].relerr = math.inf                # non-finite: null in the JSON
+    assert report.main([str(_write(tmp_path / "inf.json", rows))]) == 0
+    assert capsys.readouterr().out.splitlines()[4].endswith(" | nan | 3 |")
+
+
+def test_report_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a = _write(tmp_path / "a.json", _rows())
+    b = _write(tmp_path / "b.json", _rows(baseline=False), baseline_run=False)
+    assert report.main([str(a), "--plot", str(tmp_path / "a.png"), "--title", "NVLink",
+                        str(b), "--plot", str(tmp_path / "b.png"), "--title", "no baseline"]) == 0
+    assert capsys.readouterr().out == ""                    # --plot alone prints no table
+    for name in ("a.png", "b.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    assert report.main([str(a), "--markdown", "--plot", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().out.startswith("gpu (test), 4 ranks")
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG
+
+
+def test_report_usage_errors(tmp_path, capsys):
+    a = str(_write(tmp_path / "a.json", _rows()))
+    for argv in ([a, a, "--plot", "x.png"], [a, "--plot", "x.png", "--title", "t", "--title", "u"], []):
+        with pytest.raises(SystemExit) as exc:
+            report.main(argv)
+        assert exc.value.code == 2
+    assert "--plot: give one per file (2), got 1" in capsys.readouterr().err

@@ -5,6 +5,12 @@ times the baseline all-reduce (NCCL on GPU, MPI on CPU) against echonccl's
 4-bit algorithms over a sweep of sizes, checks every result against the
 exact float64 sum, and prints a table (plus JSON, CSV and a plot on request).
 
-`common` is the driver every tool shares; `all_reduce` describes the
-all-reduce and holds the console script's ``main``.
+`all_reduce` describes the all-reduce and holds the console script's
+``main``; the rest is shared by every tool: `bench` (the driver: `run`,
+`Bench`, timing), `options` (command line, sizes), `arrays` (numpy/cupy
+arrays, input data), `check` (accuracy against the exact reference, the
+`Result`/`Row` records), `table` (header, table, footer, progress bar) and
+`report` (summary, JSON/CSV/plot files). ``python -m echonccl.perf.report
+run.json --markdown --plot run.png`` re-reads a ``-J`` file: a markdown
+table, the plot.
 """

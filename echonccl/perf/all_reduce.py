@@ -7,7 +7,7 @@ Variants: the baseline (``Communicator.baseline_all_reduce``: NCCL on GPU,
 MPI on CPU), then each algorithm of ``--algo`` (``Communicator.all_reduce``
 with its own `Feedback`, or ``feedback=False`` with ``--no-feedback``).
 Reference: the exact float64 sum of every rank's input. Everything else is
-`echonccl.perf.common`.
+the shared driver, `echonccl.perf.bench`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from . import common
+from .bench import Collective, Variant, run
+from .check import chunks
 
 GATHER_LIMIT_BYTES = 64 << 20   # up to this many input bytes in all, rank 0 gathers the inputs
 
@@ -45,9 +46,9 @@ def variants(comm, opts) -> list:
     """The baseline (unless ``--no-baseline``), then each echonccl algorithm of ``--algo``."""
     found = []
     if not opts.no_baseline:
-        found.append(common.Variant(comm.engine.baseline_name, True, lambda: partial(_baseline, comm)))
+        found.append(Variant(comm.engine.baseline_name, True, lambda: partial(_baseline, comm)))
     for algo in opts.algorithms:
-        found.append(common.Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback)))
+        found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback)))
     return found
 
 
@@ -65,7 +66,7 @@ def _reduced_sum(mpi, x: np.ndarray) -> Optional[np.ndarray]:
 
     flat = x.reshape(-1)
     ref = np.empty(flat.size, dtype=np.float64) if mpi.Get_rank() == 0 else None
-    for lo, hi in common.chunks(flat.size):
+    for lo, hi in chunks(flat.size):
         part = flat[lo:hi].astype(np.float64)
         mpi.Reduce(part, None if ref is None else ref[lo:hi], op=MPI.SUM, root=0)
     return ref
@@ -80,12 +81,12 @@ def exact_sum(mpi, x: np.ndarray) -> Optional[np.ndarray]:
     return _reduced_sum(mpi, x)
 
 
-ALL_REDUCE = common.Collective("all_reduce", bus_factor, variants, exact_sum)
+ALL_REDUCE = Collective("all_reduce", bus_factor, variants, exact_sum)
 
 
 def main(argv=None) -> int:
     """Console script ``echonccl-perf``: run the all-reduce sweep; the exit status."""
-    return common.run(ALL_REDUCE, argv)
+    return run(ALL_REDUCE, argv)
 
 
 if __name__ == "__main__":
