@@ -58,27 +58,18 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 // ---------------------------------------------------------------- float32 ops
-__device__ __forceinline__ float add_rn(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float sub_rn(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float mul_rn(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-// IEEE-754 division, correctly rounded, subnormals kept (no .ftz).
-__device__ __forceinline__ float div_rn(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+// One inline-PTX instruction per operation: .rn rounding, no .ftz, never contracted into an fma.
+#define ECHO_F32_BINOP(NAME, INSTR)                                          \
+    __device__ __forceinline__ float NAME(float a, float b) {               \
+        float r;                                                             \
+        asm(INSTR " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                \
+        return r;                                                            \
+    }
+ECHO_F32_BINOP(add_rn, "add.rn.f32")
+ECHO_F32_BINOP(sub_rn, "sub.rn.f32")
+ECHO_F32_BINOP(mul_rn, "mul.rn.f32")
+ECHO_F32_BINOP(div_rn, "div.rn.f32")  // IEEE-754 division, correctly rounded, subnormals kept
+#undef ECHO_F32_BINOP
 // rint (nearest, ties to even) straight to int; saturating, NaN -> 0.
 __device__ __forceinline__ int rint_s32(float a) {
     int r;
