@@ -58,7 +58,8 @@ class Communicator:
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
                                       crossover_bytes=crossover_bytes, timeout=timeout)
-        self.engine = _pick_engine(self.config.engine, comm, self.config, device)
+        self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
+        self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
         self.size = self.engine.transport.size
         self._workspaces: dict[Layout, Workspace] = {}
@@ -87,6 +88,13 @@ class Communicator:
 
         Every rank gets a bitwise-identical result. NaN and Inf reach the
         output of their group of ``group_size`` elements as NaN (`codec`).
+
+        Errors: bad arguments raise `TypeError`/`ValueError` (a `Feedback` bound
+        to another call: `EchoncclError`) before any communication. The first call
+        of each signature (count, shape, dtype, algorithm, group size, feedback
+        off) is checked across ranks: ranks that disagree all raise the same
+        `MismatchError`. A peer that does not answer raises `PeerTimeoutError`
+        after the timeout (GPU: in `synchronize`).
         """
         self._check_open()
         eng = self.engine
@@ -142,14 +150,15 @@ class Communicator:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release buffers and the engine's resources (NCCL communicator). Not collective on CPU;
-        on GPU every rank should close, after destroying any CUDA graph that captured one of
-        its calls (NCCL waits for those graphs to go). Idempotent."""
+        """Release buffers, the engine's resources (NCCL communicator) and the duplicated MPI
+        communicator. Every rank should close, after destroying any CUDA graph that captured
+        one of its calls (NCCL waits for those graphs to go). Idempotent."""
         if not self._closed:
             self._closed = True
             self._workspaces.clear()
             self._defaults.clear()
             self.engine.close()
+            self._mpi.Free()
 
     def __enter__(self):
         return self

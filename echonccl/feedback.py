@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from . import dtypes
 from .errors import EchoncclError
+from .layout import Layout
 
 
 @dataclass
@@ -61,15 +63,19 @@ class Feedback:
         """
         if not self.enabled:
             return None
+        self.check_key(key)
         if self.key is None:
             dt = np.dtype("float32") if self.residual_dtype == "float32" else input_dtype
             self.residuals = Residuals(zeros(layout.padded, dt), zeros(layout.slice_elems, dt))
             self.key = key
-        elif self.key != key:
+        return self.residuals
+
+    def check_key(self, key: tuple) -> None:
+        """`EchoncclError` if this state is bound to another (count, ranks, group, dtype) than ``key``."""
+        if self.key is not None and self.key != tuple(key):
             raise EchoncclError(
                 f"feedback state is bound to (count, ranks, group, dtype) = {self.key}, "
-                f"this call is {key}: use one Feedback per stream of same-shaped all-reduces")
-        return self.residuals
+                f"this call is {tuple(key)}: use one Feedback per stream of same-shaped all-reduces")
 
     def reset(self) -> None:
         """Zero the residuals in place (their buffers are kept)."""
@@ -87,21 +93,56 @@ class Feedback:
 
     def load_state_dict(self, d: dict, zeros=None) -> None:
         """Restore a `state_dict`. Bound states copy into their buffers; an unbound
-        state needs ``zeros`` (the engine allocator; `Communicator.load_feedback` passes it)."""
-        self.residual_dtype, self.enabled = d["residual_dtype"], d["enabled"]
-        key = tuple(d["key"]) if d["key"] is not None else None
+        state needs ``zeros`` (the engine allocator; `Communicator.load_feedback` passes it).
+
+        The residuals come back in the dtype the key and ``residual_dtype`` imply, also
+        from files that lost it (``np.savez`` stores bfloat16 as raw 2-byte void); arrays
+        of the wrong size for the key raise `EchoncclError`."""
+        residual_dtype, enabled = d["residual_dtype"], bool(d["enabled"])
+        if residual_dtype not in ("float32", "input"):
+            raise EchoncclError(f"bad feedback state: residual_dtype {residual_dtype!r}")
+        key = _normalize_key(d["key"])
         if key is None:
+            self.residual_dtype, self.enabled = residual_dtype, enabled
             self.key, self.residuals = None, None
             return
-        if self.residuals is None or self.key != key:
+        dt = np.dtype("float32") if residual_dtype == "float32" else dtypes.numpy_dtype(key[3])
+        layout = Layout(key[0], key[1], key[2])
+        inputs = _as_dtype(d["inputs"], dt, layout.padded, "inputs")
+        output = _as_dtype(d["output"], dt, layout.slice_elems, "output")
+        if self.residuals is None or self.key != key or self.residuals.inputs.dtype != dt:
             if zeros is None:
                 raise EchoncclError("loading into an unbound Feedback needs the engine allocator: "
                                     "use Communicator.load_feedback")
-            self.residuals = Residuals(zeros(d["inputs"].size, d["inputs"].dtype),
-                                       zeros(d["output"].size, d["output"].dtype))
+            self.residuals = Residuals(zeros(inputs.size, dt), zeros(output.size, dt))
             self.key = key
-        _copy_into(self.residuals.inputs, d["inputs"])
-        _copy_into(self.residuals.output, d["output"])
+        self.residual_dtype, self.enabled = residual_dtype, enabled
+        _copy_into(self.residuals.inputs, inputs)
+        _copy_into(self.residuals.output, output)
+
+
+def _normalize_key(key):
+    """``(count, ranks, group, dtype name)`` from a saved key (tuple, list or array of strings)."""
+    if key is None or (isinstance(key, np.ndarray) and key.ndim == 0 and key.item() is None):
+        return None
+    try:
+        count, nranks, group, name = list(key)
+        return int(count), int(nranks), int(group), str(name)
+    except (TypeError, ValueError):
+        raise EchoncclError(f"bad feedback state: key {key!r} is not (count, ranks, group, dtype)") from None
+
+
+def _as_dtype(a, dt: np.dtype, size: int, what: str) -> np.ndarray:
+    a = np.asarray(a).reshape(-1)
+    if a.size != size:
+        raise EchoncclError(f"bad feedback state: {what} has {a.size} elements, its key needs {size}")
+    if a.dtype == dt:
+        return a
+    if a.dtype.kind == "V" and a.dtype.itemsize == dt.itemsize:   # np.savez of bfloat16
+        return a.view(dt)
+    if a.dtype.kind != "f":
+        raise EchoncclError(f"bad feedback state: {what} has dtype {a.dtype}, expected {dt}")
+    return a.astype(dt)
 
 
 def _to_numpy(a) -> np.ndarray:

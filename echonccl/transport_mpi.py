@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from .errors import PeerTimeoutError
+from .errors import MismatchError, PeerTimeoutError
 
 _TAG = 0x4543  # 'EC'
 
@@ -29,29 +29,52 @@ class MpiTransport:
         self.timeout = timeout
 
     def exchange(self, sends, recvs) -> None:
+        """One round; a message whose size differs from its receive buffer (ranks out of step:
+        different collectives whose signatures each had already checked) raises `MismatchError`."""
         MPI = self._MPI
         reqs = [self.comm.Irecv([buf, MPI.BYTE], source=peer, tag=_TAG) for peer, buf in recvs]
         reqs += [self.comm.Isend([buf, MPI.BYTE], dest=peer, tag=_TAG) for peer, buf in sends]
-        wait_all(reqs, self.timeout, f"rank {self.rank}: exchange with ranks "
-                 f"{sorted({p for p, _ in list(sends) + list(recvs)})}")
+        statuses = [MPI.Status() for _ in reqs]
+        what = f"rank {self.rank}: exchange with ranks {sorted({p for p, _ in list(sends) + list(recvs)})}"
+        try:
+            wait_all(reqs, self.timeout, what, statuses, peers=[p for p, _ in recvs] + [p for p, _ in sends])
+        except MPI.Exception as exc:
+            errs = {st.Get_error() for st in statuses} - {MPI.SUCCESS, MPI.ERR_PENDING}
+            text = "; ".join(MPI.Get_error_string(e).strip() for e in sorted(errs)) or exc.Get_error_string()
+            raise MismatchError(f"{what}: a message did not fit its buffer ({text}): {_OUT_OF_STEP}") from exc
+        for (peer, buf), st in zip(recvs, statuses):
+            got = st.Get_count(MPI.BYTE)
+            if got != buf.nbytes:
+                raise MismatchError(f"rank {self.rank}: rank {peer} sent {got} bytes where {buf.nbytes} "
+                                    f"were expected: {_OUT_OF_STEP}")
 
 
-def wait_all(reqs, timeout: float, what: str) -> None:
-    """Wait for mpi4py requests, polling, and raise `PeerTimeoutError` after ``timeout`` s."""
+_OUT_OF_STEP = ("the ranks are running different collectives (calls out of step, or sizes that "
+                "differ in a call signature already checked); this communicator cannot be used further")
+
+
+def wait_all(reqs, timeout: float, what: str, statuses=None, peers=None) -> None:
+    """Wait for mpi4py requests, polling, and raise `PeerTimeoutError` after ``timeout`` s.
+    ``statuses``: optional list of `MPI.Status`, filled as in ``MPI.Request.Testall``;
+    ``peers``: the rank of each request, to name the silent ones in the error."""
     from mpi4py import MPI
 
-    if MPI.Request.Testall(reqs):
+    if MPI.Request.Testall(reqs, statuses):
         return
     deadline = time.monotonic() + timeout
     spins = 0
-    while not MPI.Request.Testall(reqs):
+    while not MPI.Request.Testall(reqs, statuses):
         if time.monotonic() > deadline:
-            for r in reqs:
+            silent = set()
+            for i, r in enumerate(reqs):
                 try:
+                    if peers is not None and not r.Test():
+                        silent.add(peers[i])
                     r.Cancel()
                 except MPI.Exception:
                     pass
-            raise PeerTimeoutError(f"{what} did not complete within {timeout:g} s (a peer died or hangs)")
+            who = f"; no answer from ranks {sorted(silent)}" if silent else ""
+            raise PeerTimeoutError(f"{what} did not complete within {timeout:g} s (a peer died or hangs){who}")
         spins += 1
         if spins > 1000:
             time.sleep(1e-4)
@@ -63,8 +86,9 @@ def allgather_object(comm, obj, timeout: float) -> list:
 
     buf = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = np.zeros(comm.Get_size(), dtype=np.int64)
-    wait_all([comm.Iallgather(np.array([buf.size], dtype=np.int64), sizes)], timeout, "metadata check")
+    what = f"rank {comm.Get_rank()}: metadata check (allgather of the call signature)"
+    wait_all([comm.Iallgather(np.array([buf.size], dtype=np.int64), sizes)], timeout, what)
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait_all([comm.Iallgatherv(buf, [recv, sizes, displs, MPI.BYTE])], timeout, "metadata check")
+    wait_all([comm.Iallgatherv(buf, [recv, sizes, displs, MPI.BYTE])], timeout, what)
     return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs, sizes)]

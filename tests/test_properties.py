@@ -1,0 +1,277 @@
+"""Property tests (hypothesis) of the codec and of both schedules on the CPU engine's kernels.
+
+* codec: every finite group round-trips within half a quantization step, keeps signs, never
+  writes the -8 nibble, re-encodes its decoded values to the same codes; zero groups are exact;
+  non-finite groups decode to NaN without touching their neighbours;
+* schedules, in one process: P ranks simulated by threads over an in-memory transport (the
+  numpy kernels and the schedule code of the CPU engine, world sizes 2..6): identical outputs on
+  every rank, NaN exactly in the groups with a NaN/Inf input, the README's error bound without
+  feedback, telescoping with it, and ring == two-shot bit for bit at two ranks;
+* schedules across real MPI ranks: tests/mpi/hardening.py ``properties`` under mpiexec (the same
+  derandomized examples on every rank), through the Communicator.
+"""
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from echonccl import codec, dtypes
+from echonccl.communicator import Workspace
+from echonccl.feedback import Feedback
+from echonccl.kernels_numpy import NumpyKernels
+from echonccl.layout import Layout
+from echonccl.schedules import SCHEDULES
+
+from conftest import run_mpi
+
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+F32_MAX = float(np.finfo(np.float32).max)
+SUB = 2.0 ** -149                      # smallest float32 subnormal
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# -- codec ----------------------------------------------------------------------------------------
+@st.composite
+def float32_groups(draw, allow_nonfinite=False):
+    """(values, group): 1..6 groups of float32: arbitrary bit patterns' floats (subnormals,
+    extremes), scaled normals, or constant groups."""
+    group = draw(st.sampled_from(codec.GROUP_SIZES))
+    n = group * draw(st.integers(1, 6))
+    kind = draw(st.sampled_from(["any", "scaled", "constant"]))
+    if kind == "any":
+        elems = st.floats(width=32, allow_nan=allow_nonfinite, allow_infinity=allow_nonfinite)
+        v = draw(hnp.arrays(np.float32, n, elements=elems))
+    elif kind == "scaled":
+        rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+        v = (rng.standard_normal(n) * 2.0 ** draw(st.integers(-149, 126))).astype(np.float32)
+    else:
+        v = np.full(n, draw(st.floats(width=32, allow_nan=False, allow_infinity=False)), np.float32)
+    if allow_nonfinite and draw(st.booleans()):
+        v[draw(st.integers(0, n - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    return np.ascontiguousarray(v), group
+
+
+@SETTINGS
+@given(float32_groups())
+def test_codec_finite_groups_round_trip_within_half_a_step(vg):
+    v, G = vg
+    q, scale = codec.quantize_groups(v, G)
+    assert q.dtype == np.int8 and np.all(np.abs(q) <= 7)
+    assert np.array_equal(codec.unpack_codes(codec.pack_codes(q)), q)
+    packed = codec.pack_codes(q)
+    assert not np.any((packed & 0x0F) == 0x8) and not np.any((packed >> 4) == 0x8), "the -8 nibble was written"
+    d = codec.dequantize_groups(q, scale, G)
+    assert np.isfinite(d).all(), "a finite input decoded non-finite"
+    g = v.reshape(-1, G).astype(np.float64)
+    amax = np.abs(g).max(axis=1)
+    assert np.array_equal(scale == 0, amax == 0), "scale is 0 exactly for all-zero groups"
+    nz = amax > 0
+    assert np.all(scale[nz] >= SUB)
+    expect = np.maximum((np.abs(v.reshape(-1, G)).max(axis=1) / np.float32(7)).astype(np.float32), np.float32(SUB))
+    assert np.array_equal(scale[nz], expect[nz]), "scale is not max(amax / 7, 2**-149) in float32"
+    err = np.abs(g - d.reshape(-1, G).astype(np.float64))
+    step = scale.astype(np.float64)[:, None]
+    # half a step, the decode's own rounding, and (groups below ~1e-44 only) the clip to +-7
+    assert np.all(err <= 0.5 * step * (1 + 2.0 ** -20) + np.abs(d.reshape(-1, G)) * 2.0 ** -23 + 4 * SUB)
+    normal = amax >= 2.0 ** -120
+    assert np.all(np.abs(g[normal] / step[normal]) <= 7.5), "clipping outside the subnormal range"
+    dd = d.reshape(-1, G)
+    assert np.all((dd == 0) | (np.sign(dd) == np.sign(g))), "a sign flipped"
+    q2, _ = codec.quantize_groups(d, G)
+    assert np.array_equal(q2, q), "re-encoding decoded values changed the codes"
+
+
+@SETTINGS
+@given(float32_groups(allow_nonfinite=True))
+def test_codec_nonfinite_groups_are_nan_and_isolated(vg):
+    v, G = vg
+    q, scale = codec.quantize_groups(v, G)
+    d = codec.dequantize_groups(q, scale, G).reshape(-1, G)
+    bad = ~np.isfinite(v.reshape(-1, G)).all(axis=1)
+    assert np.isnan(scale[bad]).all() and not q.reshape(-1, G)[bad].any()
+    assert np.isnan(d[bad]).all(), "a group with NaN/Inf did not decode to NaN"
+    assert np.isfinite(d[~bad]).all()
+    for i in np.flatnonzero(~bad):                      # groups are encoded independently
+        qi, si = codec.quantize_groups(np.ascontiguousarray(v.reshape(-1, G)[i]), G)
+        assert np.array_equal(qi, q.reshape(-1, G)[i]) and si[0] == scale[i]
+    r = codec.residual_of(v, d.reshape(-1), np.float32)
+    assert np.isfinite(r).all(), "a residual came out non-finite"
+    assert not r.reshape(-1, G)[bad].any(), "a non-finite group left a residual"
+
+
+@SETTINGS
+@given(st.integers(1, 8).map(lambda k: 512 * k), st.sampled_from(codec.GROUP_SIZES), st.integers(0, 2 ** 32 - 1),
+       st.integers(-140, 120))
+def test_wire_format_size_and_round_trip(S, G, seed, e):
+    v = (np.random.default_rng(seed).standard_normal(S) * 2.0 ** e).astype(np.float32)
+    wire = codec.encode(v, G)
+    assert wire.dtype == np.uint8 and wire.size == codec.slice_bytes(S, G) == S // 2 + 4 * (S // G)
+    q, scale = codec.quantize_groups(v, G)
+    assert codec.decode(wire, S, G).tobytes() == codec.dequantize_groups(q, scale, G).tobytes()
+
+
+# -- schedules over simulated ranks ---------------------------------------------------------------
+class ThreadTransport:
+    """`transport.Transport` between threads of one process: unbounded queues per (src, dst),
+    sends posted before receives, so a round never deadlocks; messages keep their size."""
+
+    def __init__(self, hub, rank: int, size: int):
+        self.hub, self.rank, self.size = hub, rank, size
+
+    def exchange(self, sends, recvs) -> None:
+        for peer, buf in sends:
+            self.hub[(self.rank, peer)].put(buf.copy())
+        for peer, buf in recvs:
+            data = self.hub[(peer, self.rank)].get(timeout=30)
+            assert data.size == buf.size, f"rank {self.rank}: {data.size} bytes from {peer}, expected {buf.size}"
+            buf[:] = data
+
+
+def simulate(algo: str, xs: list[np.ndarray], group: int, states=None) -> list[np.ndarray]:
+    """Run one all-reduce of ``xs`` (one array per simulated rank) through the schedule."""
+    P, n = len(xs), xs[0].size
+    layout = Layout(n, P, group)
+    hub = {(s, d): queue.SimpleQueue() for s in range(P) for d in range(P)}
+    outs = [np.empty_like(x) for x in xs]
+
+    def rank(r):
+        B = layout.slice_bytes
+        ws = Workspace(np.empty((P - 1) * B, np.uint8), np.empty((P - 1) * B, np.uint8), np.empty(P * B, np.uint8))
+        SCHEDULES[algo](NumpyKernels(), ThreadTransport(hub, r, P), layout, xs[r], outs[r],
+                        None if states is None else states[r], ws)
+
+    with ThreadPoolExecutor(P) as ex:
+        list(ex.map(rank, range(P)))
+    return outs
+
+
+def canonical(y) -> bytes:
+    f = y.astype(np.float32)
+    f[np.isnan(f)] = np.nan
+    return f.tobytes()
+
+
+def bound(xs, algo, group, dtype):
+    x64 = np.stack([x.astype(np.float64) for x in xs])
+    x64 = np.where(np.isfinite(x64), x64, 0)
+    P, n = x64.shape
+    exact = x64.sum(axis=0)
+    pad = -(-n // group) * group
+    a = np.zeros((P, pad))
+    a[:, :n] = np.abs(x64)
+    amax_sum = np.repeat(a.reshape(P, -1, group).max(axis=2).sum(axis=0), group)[:n]
+    hops = 2 if algo == "two_shot" else P
+    tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
+    return exact, hops * (1 + 1 / 7) ** P * amax_sum / 14 + np.abs(exact) * 2.0 ** -7 + 8 * (P + 1) * (SUB + tiny)
+
+
+case = st.fixed_dictionaries({
+    "P": st.integers(2, 6),
+    "n": st.one_of(st.integers(1, 3000), st.sampled_from([1, 31, 32, 33, 511, 512, 513, 1537, 3072])),
+    "group": st.sampled_from(codec.GROUP_SIZES),
+    "dtype": st.sampled_from(DTYPES),
+    "algo": st.sampled_from(("two_shot", "ring")),
+    "exp": st.integers(-30, 30),
+    "seed": st.integers(0, 2 ** 32 - 1),
+    "nan_at": st.lists(st.tuples(st.integers(0, 5), st.floats(0, 1, exclude_max=True)), max_size=3),
+    "max_at": st.lists(st.floats(0, 1, exclude_max=True), max_size=2),
+})
+
+
+def make_inputs(c, t=0):
+    P, n, dt = c["P"], c["n"], dtypes.numpy_dtype(c["dtype"])
+    e = max(min(c["exp"], 9), -12) if c["dtype"] == "float16" else c["exp"]
+    xs = [(np.random.default_rng([c["seed"], t, r]).standard_normal(n) * 2.0 ** e).astype(dt) for r in range(P)]
+    return xs
+
+
+@SETTINGS
+@given(case)
+def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
+    P, n, G, algo = c["P"], c["n"], c["group"], c["algo"]
+    xs = make_inputs(c)
+    dmax = float(ml_dtypes.finfo(xs[0].dtype).max)
+    bad = np.zeros(-(-n // G), bool)
+    big = np.zeros_like(bad)
+    for where in c["max_at"]:                  # +-max on rank 0 only, 0 elsewhere: no overflow
+        i = int(where * n)
+        for r in range(P):
+            xs[r][i] = 0
+        xs[0][i] = dmax if i % 2 else -dmax
+        big[i // G] = True
+    for r, where in c["nan_at"]:
+        i = int(where * n)
+        xs[r % P][i] = np.nan if r % 2 else np.inf
+        bad[i // G] = True
+    outs = simulate(algo, xs, G)
+    assert all(canonical(o) == canonical(outs[0]) for o in outs), "outputs differ between ranks"
+    y = outs[0].astype(np.float64)
+    eb = np.repeat(bad, G)[:n]
+    assert np.isnan(y[eb]).all(), "a group with NaN/Inf input is not all NaN"
+    assert np.isfinite(y[~eb]).all(), "non-finite output outside the NaN/Inf groups"
+    exact, b = bound(xs, algo, G, c["dtype"])
+    ok = ~(eb | np.repeat(big & ~bad, G)[:n])
+    worst = float(np.max(np.abs(y - exact)[ok] / b[ok])) if ok.any() else 0.0
+    assert worst <= 1.0, f"error {worst:.3f} of the bound"
+
+
+@SETTINGS
+@given(case, st.integers(2, 4), st.sampled_from(["float32", "input"]))
+def test_schedules_telescope_with_feedback(c, T, residual_dtype):
+    P, n, G, algo, dt = c["P"], c["n"], c["group"], c["algo"], c["dtype"]
+    layout = Layout(n, P, G)
+    key = (n, P, G, dt)
+    fbs = [Feedback(residual_dtype) for _ in range(P)]
+    states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros) for fb in fbs]
+    acc_out, acc_exact, xmax = np.zeros(n), np.zeros(n), 0.0
+    for t in range(T):
+        xs = make_inputs(c, t)
+        outs = simulate(algo, xs, G, states)
+        assert all(o.tobytes() == outs[0].tobytes() for o in outs), "outputs differ between ranks"
+        acc_out += outs[0].astype(np.float64)
+        acc_exact += np.sum([x.astype(np.float64) for x in xs], axis=0)
+        xmax = max(xmax, max(float(np.abs(x.astype(np.float64)).max()) for x in xs))
+    e_in = np.sum([s.inputs.astype(np.float64) for s in states], axis=0)
+    e_out = np.concatenate([s.output.astype(np.float64) for s in states])
+    residual = (e_in + e_out)[:n]
+    assert all(np.isfinite(s.inputs.astype(np.float32)).all() and np.isfinite(s.output.astype(np.float32)).all()
+               for s in states)
+    gap = float(np.max(np.abs(acc_out - acc_exact + residual)))
+    tol = 2.0 ** -18 * T * (P + 1) * xmax + 8 * T * P * SUB
+    if residual_dtype == "input" and dt != "float32":
+        tol += 2.0 ** -6 * T * (P + 1) * xmax * P
+    assert gap <= tol, f"telescoping gap {gap:.3g} > {tol:.3g}"
+
+
+@SETTINGS
+@given(case, st.sampled_from(["float32", "input"]))
+def test_ring_equals_two_shot_at_two_ranks(c, residual_dtype):
+    c = {**c, "P": 2}
+    n, G, dt = c["n"], c["group"], c["dtype"]
+    results = {}
+    for algo in ("two_shot", "ring"):
+        layout = Layout(n, 2, G)
+        states = [Feedback(residual_dtype).bind((n, 2, G, dt), layout, dtypes.numpy_dtype(dt), np.zeros)
+                  for _ in range(2)]
+        outs = [simulate(algo, make_inputs(c, t), G, states)[0] for t in range(2)]
+        results[algo] = b"".join(o.tobytes() for o in outs) + b"".join(
+            s.inputs.tobytes() + s.output.tobytes() for s in states)
+    assert results["two_shot"] == results["ring"]
+
+
+# -- across MPI ranks -----------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_properties_across_mpi_ranks(n):
+    res = run_mpi(n, ["tests/mpi/hardening.py", "properties", "cpu"], timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert f"OK properties ranks={n} engine=cpu" in res.stdout
+    assert "properties: 30 examples" in res.stdout
