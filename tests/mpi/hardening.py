@@ -50,6 +50,9 @@ LATE = 2.0 if ENGINE == "cpu" else 10.0     # how late a PeerTimeoutError may co
 
 # -- helpers ----------------------------------------------------------------------------------
 def new_comm(comm=None, **kw):
+    # two_shot unless told otherwise: on the GPU engine "auto" sends small sizes to plain NCCL,
+    # which would bypass the 4-bit path (and the feedback binding) these checks are about
+    kw.setdefault("algorithm", "two_shot")
     return echonccl.Communicator(comm, engine=ENGINE, **kw)
 
 
