@@ -38,6 +38,21 @@ def run_mpi(n: int, args: list[str], timeout: float = 300) -> subprocess.Complet
         pytest.fail(f"{' '.join(cmd)} hung for {timeout} s\n{exc.stdout}\n{exc.stderr}")
 
 
+def visible_gpus() -> int:
+    """CUDA devices cupy sees here (0 without cupy or a driver)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def needs_gpus(n: int):
+    """Marks for a test that needs ``n`` GPUs: skipped with the reason on smaller machines."""
+    return [pytest.mark.gpu, pytest.mark.skipif(visible_gpus() < n, reason=f"needs {n} GPUs")]
+
+
 @pytest.fixture
 def mpirun():
     return run_mpi

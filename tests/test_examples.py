@@ -14,13 +14,7 @@ import pytest
 pytestmark = pytest.mark.mpi
 
 
-def gpu_count() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no cupy, no driver, no device
-        return 0
+from conftest import visible_gpus
 
 
 @pytest.fixture
@@ -47,7 +41,7 @@ def test_hello(mpirun, cpu, n):
     assert 0 < err < 0.2, out                     # one 4-bit quantization of Gaussian data: ~0.12
 
 
-@pytest.mark.skipif(gpu_count() > 0, reason="a GPU is visible: engine auto would pick it")
+@pytest.mark.skipif(visible_gpus() > 0, reason="a GPU is visible: engine auto would pick it")
 def test_hello_auto_engine_is_cpu_without_gpu(mpirun, monkeypatch):
     monkeypatch.delenv("ECHONCCL_ENGINE", raising=False)
     out = run_ok(mpirun, 2, ["mpi_examples/hello_allreduce.py"])
@@ -83,11 +77,9 @@ def test_checkpoint_feedback(mpirun, cpu, tmp_path, n, extra):
 
 
 # -- GPU (skipped here; two GPUs needed) ---------------------------------------------------------
-needs_2_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs cupy and two GPUs")
-
 
 @pytest.mark.gpu
-@needs_2_gpus
+@pytest.mark.skipif(visible_gpus() < 2, reason="needs cupy and two GPUs")
 @pytest.mark.parametrize("args", [["mpi_examples/hello_allreduce.py"],
                                   ["mpi_examples/tp_transformer_block.py", "--iters", "1"],
                                   ["mpi_examples/checkpoint_feedback.py"]])
@@ -99,7 +91,7 @@ def test_examples_gpu(mpirun, monkeypatch, args):
 
 
 @pytest.mark.gpu
-@needs_2_gpus
+@pytest.mark.skipif(visible_gpus() < 2, reason="needs cupy and two GPUs")
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 def test_torch_interop(mpirun):
     out = run_ok(mpirun, 2, ["mpi_examples/torch_interop.py"], timeout=600)

@@ -12,12 +12,9 @@ import time
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    NGPU = cupy.cuda.runtime.getDeviceCount()
-except cupy.cuda.runtime.CUDARuntimeError:
-    NGPU = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU < 2, reason="needs two GPUs")]
+from conftest import needs_gpus
+
+pytestmark = needs_gpus(2)
 
 from conftest import run_mpi  # noqa: E402
 from test_hardening import SURVIVOR_EXIT, SURVIVOR_LINE, run_check, run_fault  # noqa: E402

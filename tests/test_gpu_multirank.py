@@ -2,12 +2,9 @@
 and the CPU checks repeated on CUDA + NCCL. Skipped without two GPUs."""
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    NGPU = cupy.cuda.runtime.getDeviceCount()
-except cupy.cuda.runtime.CUDARuntimeError:
-    NGPU = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU < 2, reason="needs two GPUs")]
+from conftest import needs_gpus
+
+pytestmark = needs_gpus(2)
 
 CHECKS = ["matches_reference", "graph_replay", "torch_interop", "identical_and_bounded", "special_values",
           "telescoping", "depth"]

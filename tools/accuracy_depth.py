@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from echonccl.study import reducers  # noqa: E402
+from echonccl.study.plots import panels_per_group  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))
@@ -142,24 +143,11 @@ def table(depths, errs) -> str:
 
 
 def plot(path, depths, errs, group_sizes, title) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(group_sizes), figsize=(4.2 * len(group_sizes), 3.6), sharey=True)
-    for ax, g in zip(np.atleast_1d(axes), group_sizes):
-        styles = (("bf16", "k:"), (f"plain G={g}", "r-o"), (f"two_shot G={g}", "b-s"), (f"ring G={g}", "g--^"))
-        for m, style in styles:
-            ax.loglog(depths, errs[m], style, label=m.replace(f" G={g}", "").replace("plain", "plain 4-bit"), ms=4)
-        ax.set_title(f"group size {g}")
-        ax.set_xlabel("depth (layers)")
-        ax.grid(True, which="both", alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("relative error of residual stream")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with panels_per_group(path, group_sizes, title, "depth (layers)") as panels:
+        for ax, g in panels:
+            styles = (("bf16", "k:"), (f"plain G={g}", "r-o"), (f"two_shot G={g}", "b-s"), (f"ring G={g}", "g--^"))
+            for m, style in styles:
+                ax.loglog(depths, errs[m], style, label=m.replace(f" G={g}", "").replace("plain", "plain 4-bit"), ms=4)
 
 
 def main(argv=None) -> int:

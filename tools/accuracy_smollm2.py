@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from echonccl.study import reducers, smollm2, tp_llama as tl  # noqa: E402
+from echonccl.study.plots import panels_per_group  # noqa: E402
 
 PPL_TOL, MIN_AGREE, GAP_FACTOR = 0.02, 0.97, 0.5
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))
@@ -202,26 +203,13 @@ def checks(rows, ref_ppl, group_sizes):
 
 
 def plot(path, rows, group_sizes, title) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(group_sizes), figsize=(4.2 * len(group_sizes), 3.6), sharey=True)
-    for ax, g in zip(np.atleast_1d(axes), group_sizes):
-        for name, style in (("bf16 (NCCL-style)", "k:"), (f"plain 4-bit two_shot G={g}", "r-"),
-                            (f"echonccl two_shot G={g}", "b-"), (f"echonccl two_shot G={g} + bf16 last 1", "c--")):
-            if name in rows and rows[name]["stream_err"]:
-                e = rows[name]["stream_err"]
-                ax.semilogy(np.arange(1, len(e) + 1), e, style, label=name.replace(f" G={g}", ""))
-        ax.set_title(f"group size {g}")
-        ax.set_xlabel("all-reduce (2 per layer)")
-        ax.grid(True, which="both", alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("relative error of residual stream")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with panels_per_group(path, group_sizes, title, "all-reduce (2 per layer)", legend_size=7) as panels:
+        for ax, g in panels:
+            for name, style in (("bf16 (NCCL-style)", "k:"), (f"plain 4-bit two_shot G={g}", "r-"),
+                                (f"echonccl two_shot G={g}", "b-"), (f"echonccl two_shot G={g} + bf16 last 1", "c--")):
+                if name in rows and rows[name]["stream_err"]:
+                    e = rows[name]["stream_err"]
+                    ax.semilogy(np.arange(1, len(e) + 1), e, style, label=name.replace(f" G={g}", ""))
 
 
 def main(argv=None) -> int:

@@ -10,32 +10,11 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from mpi4py import MPI
 
 import echonccl
 from echonccl import dtypes
 
-WORLD = MPI.COMM_WORLD
-RANK, P = WORLD.Get_rank(), WORLD.Get_size()
-ALGOS = ("two_shot", "ring")
-ENGINE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-
-
-def to_engine(a: np.ndarray):
-    if ENGINE == "gpu":
-        import cupy
-
-        return cupy.asarray(a)
-    return a
-
-
-def to_host(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def rank_data(n: int, dtype, seed: int, scale=1.0) -> np.ndarray:
-    rng = np.random.default_rng(1000 * seed + RANK)
-    return (rng.standard_normal(n) * scale).astype(dtypes.numpy_dtype(dtype))
+from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host
 
 
 def exact_sum(x: np.ndarray) -> np.ndarray:

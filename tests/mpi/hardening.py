@@ -37,12 +37,9 @@ from mpi4py import MPI  # noqa: E402
 
 import echonccl  # noqa: E402
 from echonccl import EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
+from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host  # noqa: E402
 
-WORLD = MPI.COMM_WORLD
-RANK, P = WORLD.Get_rank(), WORLD.Get_size()
-ALGOS = ("two_shot", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
-ENGINE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 SURVIVOR_EXIT = 42
 FAULT_TIMEOUT = 3.0
 LATE = 2.0 if ENGINE == "cpu" else 10.0     # how late a PeerTimeoutError may come (GPU: + NCCL abort)
@@ -54,23 +51,6 @@ def new_comm(comm=None, **kw):
     # which would bypass the 4-bit path (and the feedback binding) these checks are about
     kw.setdefault("algorithm", "two_shot")
     return echonccl.Communicator(comm, engine=ENGINE, **kw)
-
-
-def to_engine(a: np.ndarray):
-    if ENGINE == "gpu":
-        import cupy
-
-        return cupy.asarray(a)
-    return a
-
-
-def to_host(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def rank_data(n, dtype, seed: int, scale=1.0, rank=None) -> np.ndarray:
-    rng = np.random.default_rng([seed, RANK if rank is None else rank])
-    return (rng.standard_normal(n) * scale).astype(dtypes.numpy_dtype(dtype))
 
 
 def canonical_f32(y) -> np.ndarray:
