@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, echonccl-perf in three regimes.
-#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|perf|all]
+#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|all]
 # Needs cupy, mpi4py, NCCL and an MPI launcher (mpirun) already installed.
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|perf|all]}
+out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|all]}
 what=${2:-all}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
@@ -19,6 +19,9 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == kernels || $what == all ]]; then
   $PY tools/kernel_bench.py || status=1
+fi
+if [[ $what == soak || $what == all ]]; then
+  $MPIRUN $PY -m mpi4py tools/soak.py --engine gpu --calls 2000 --max-bytes 256M --seconds 120 || status=1
 fi
 if [[ $what == perf || $what == all ]]; then
   for regime in nvlink p2p sock; do
