@@ -62,6 +62,7 @@ class Communicator:
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
         self.size = self.engine.transport.size
+        self._layouts: dict[int, Layout] = {}
         self._workspaces: dict[Layout, Workspace] = {}
         self._defaults: dict[tuple, Feedback] = {}
         self._checked: set = set()
@@ -116,7 +117,7 @@ class Communicator:
             elif algo == "nccl":
                 eng.baseline_all_reduce(xf, of)
             else:
-                layout = Layout(xa.size, self.size, self.config.group_size)
+                layout = self._layout(xa.size)
                 state = self._feedback(feedback, layout, name)
                 SCHEDULES[algo](eng.kernels, eng.transport, layout, xf, of, state,
                                 self._workspace(layout))
@@ -155,6 +156,7 @@ class Communicator:
         one of its calls (NCCL waits for those graphs to go). Idempotent."""
         if not self._closed:
             self._closed = True
+            self._layouts.clear()
             self._workspaces.clear()
             self._defaults.clear()
             self.engine.close()
@@ -226,6 +228,12 @@ class Communicator:
             raise TypeError(f"feedback must be a Feedback, False or None, not {type(fb).__name__}")
         key = (layout.count, layout.nranks, layout.group, name)
         return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+
+    def _layout(self, count: int) -> Layout:
+        layout = self._layouts.get(count)
+        if layout is None:
+            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size)
+        return layout
 
     def _workspace(self, layout: Layout) -> Workspace:
         ws = self._workspaces.get(layout)

@@ -196,7 +196,7 @@ class CudaKernels:
         self.check = check
         self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G) -> RawKernel
         self._dq: dict = {}       # (out dtype, G) -> (RawKernel, unroll)
-        self._geoms: dict = {}    # (id(layout), device) -> (layout, S, G, B, rq blocks, {unroll: dq blocks})
+        self._geoms: dict = {}    # (layout, device) -> (layout, S, G, B, rq blocks, {unroll: dq blocks})
         self._sms: dict = {}      # device -> multiprocessor count
 
     @staticmethod
@@ -215,14 +215,14 @@ class CudaKernels:
 
     # -- launch geometry ------------------------------------------------------
     def _geom(self, layout):
-        """Per (layout, device): sizes and grid sizes, computed once (the layout is kept
-        in the entry, so an id reused by another object is detected)."""
+        """Per (layout, device): sizes and grid sizes, computed once (layouts are frozen
+        dataclasses, so equal layouts share an entry)."""
         import cupy
 
         dev = cupy.cuda.runtime.getDevice()
-        key = (id(layout), dev)
+        key = (layout, dev)
         g = self._geoms.get(key)
-        if g is not None and g[0] is layout:
+        if g is not None:
             return g
         sms = self._sms.get(dev)
         if sms is None:
