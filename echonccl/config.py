@@ -8,6 +8,10 @@
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_DEBUG            | INFO logs the resolved configuration once at init    | unset   |
+
+Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
+rank; `engine_gpu`), ``ECHONCCL_NCCL_LIBRARY`` (a libnccl.so.2 path; `nccl`),
+``ECHONCCL_FATBIN`` (prebuilt kernels; `kernels_cuda`).
 """
 from __future__ import annotations
 
