@@ -27,11 +27,10 @@ demo: setup
 fatbin:
 	NVCC=$(NVCC) bash tools/build_fatbin.sh
 
-# On a GPU machine with cupy, NCCL and an MPI already installed (the H200 image):
-#   make gpu-test PY=python3 MPIEXEC=mpirun
+# On a GPU machine with cupy, NCCL and Open MPI already installed (the H200 image), two GPUs:
+#   make gpu-test PY=python3            (tests; tools/gpu_suite.sh also has kernels, soak, perf)
 gpu-test:
-	$(PY) -m pytest -q -ra tests/test_gpu_kernels.py tests/test_nccl_binding.py
-	$(MPIEXEC) --allow-run-as-root -x NCCL_NVLS_ENABLE=0 -n 2 $(PY) -m pytest -q -ra tests/gpu
+	PY=$(PY) bash tools/gpu_suite.sh gpu-out tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info cuda_src/*.fatbin

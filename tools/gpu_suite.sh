@@ -14,7 +14,7 @@ status=0
 
 if [[ $what == tests || $what == all ]]; then
   nvidia-smi topo -m
-  $PY -m pytest -q -ra tests/test_gpu_kernels.py tests/test_nccl_binding.py tests/test_gpu_multirank.py \
+  $PY -m pytest -q -ra tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_nccl_binding.py tests/test_gpu_multirank.py \
       $(ls tests/test_gpu_hardening.py tests/test_examples.py 2>/dev/null) || status=1
 fi
 if [[ $what == kernels || $what == all ]]; then
