@@ -6,7 +6,7 @@ MPIEXEC ?= $(VENV)/bin/mpiexec
 NP     ?= 4
 NVCC   ?= nvcc
 
-.PHONY: setup test demo fatbin cuda-check gpu-test clean
+.PHONY: setup test demo fatbin gpu-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
