@@ -99,16 +99,16 @@ class Communicator:
         """
         self._check_open()
         eng = self.engine
-        xa = eng.as_array(x)
-        name = dtypes.canonical(xa.dtype)
-        oa = self._output(x, xa, out)
-        xf, of = eng.flat(xa), eng.flat(oa)
-        algo = self._algorithm(algorithm, xa)
-        self._check_feedback(feedback, xa.size, name)
-        # Every argument error above is local and raised before any communication.
-        self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
-                                feedback is False, tuple(xa.shape)))
-        with eng.stream_scope(stream):
+        with eng.stream_scope(stream):      # a new `out` is allocated in the caller's stream order too
+            xa = eng.as_array(x)
+            name = dtypes.canonical(xa.dtype)
+            oa = self._output(x, xa, out)
+            xf, of = eng.flat(xa), eng.flat(oa)
+            algo = self._algorithm(algorithm, xa)
+            self._check_feedback(feedback, xa.size, name)
+            # Every argument error above is local and raised before any communication.
+            self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
+                                    feedback is False, tuple(xa.shape)))
             if xa.size == 0:
                 pass
             elif self.size == 1:
