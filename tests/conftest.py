@@ -25,13 +25,13 @@ def mpi_env() -> dict:
     return env
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run_mpi(n: int, args: list[str], timeout: float = 300, launcher_args=()) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python -m mpi4py args...`` from the repo root; fail the test on a timeout."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec (install the mpich wheel: make test does)")
     # python -m mpi4py: an exception on one rank aborts the whole job instead of hanging the others
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
+    cmd = [mpiexec, *launcher_args, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
     try:
         return subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:

@@ -96,13 +96,18 @@ def run_check(n: int, check: str, engine: str = "cpu", env_extra: dict | None = 
         else:
             os.environ[k] = v
     try:
-        return run_mpi(n, ["tests/mpi/hardening.py", check, engine], timeout=timeout)
+        # these checks end without MPI_Finalize: keep hydra from killing ranks still writing
+        extra = (launcher_keeps_survivors(find_mpiexec()) or []) if check in UNFINALIZED else []
+        return run_mpi(n, ["tests/mpi/hardening.py", check, engine], timeout=timeout, launcher_args=extra)
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+UNFINALIZED = ("local_error", "out_of_step")
 
 
 # -- multi-rank checks --------------------------------------------------------------------------

@@ -119,6 +119,15 @@ def _report(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
+def _exit_unfinalized() -> None:
+    """Leave without MPI_Finalize (spent duplicates hold requests that never complete), all
+    ranks together: MPICH's launcher kills the rest as soon as one rank exits, which could
+    cut off output another rank has not had forwarded yet."""
+    WORLD.Barrier()      # WORLD itself is untouched: echonccl ran on duplicates
+    time.sleep(0.5)
+    os._exit(0)
+
+
 # -- 1. bad input -----------------------------------------------------------------------------
 def check_bad_input():
     """Every argument error is raised locally, with a precise message, before any
@@ -217,10 +226,10 @@ def check_local_error():
             assert RANK == 1 and dt < 0.5, f"{what}: local error after {dt:.2f} s"
             results.append(f"{what}: {type(e).__name__} at once")
     _report(f"RANK {RANK} " + "; ".join(results))
-    WORLD.Barrier()      # WORLD itself is untouched: echonccl ran on duplicates
+    WORLD.Barrier()
     if RANK == 0:
         _report(f"OK local_error ranks={P} engine={ENGINE}")
-    os._exit(0)          # the duplicates hold requests that never complete: no MPI_Finalize
+    _exit_unfinalized()
 
 
 # -- empty arrays -----------------------------------------------------------------------------
@@ -309,12 +318,13 @@ def check_out_of_step():
     except PeerTimeoutError as e:
         result = f"PeerTimeoutError after {time.monotonic() - t0:.1f} s: {e}"
     results = WORLD.allgather(result)
-    _report(f"RANK {RANK} {result}")
     for r, res in enumerate(results):
         assert res.startswith("MismatchError"), f"rank {r}: {res}"
-    if RANK == 0:
+    if RANK == 0:   # rank 0 reports for all: output of ranks that os._exit may be lost in forwarding
+        for r, res in enumerate(results):
+            _report(f"RANK {r} {res}")
         _report(f"OK out_of_step ranks={P} engine={ENGINE}")
-    os._exit(0)
+    _exit_unfinalized()
 
 
 # -- special values ---------------------------------------------------------------------------
