@@ -50,7 +50,7 @@ def visible_gpus() -> int:
 
 def needs_gpus(n: int):
     """Marks for a test that needs ``n`` GPUs: skipped with the reason on smaller machines."""
-    return [pytest.mark.gpu, pytest.mark.skipif(visible_gpus() < n, reason=f"needs {n} GPUs")]
+    return [pytest.mark.gpu, pytest.mark.skipif(visible_gpus() < n, reason=f"needs {n} GPU" + ("s" if n > 1 else ""))]
 
 
 @pytest.fixture
