@@ -3,7 +3,7 @@
 | variable                  | meaning                                              | default |
 |---------------------------|------------------------------------------------------|---------|
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
-| ECHONCCL_ALGO             | two_shot, ring, nccl (plain all-reduce) or auto      | auto    |
+| ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl or auto     | auto    |
 | ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
@@ -11,7 +11,8 @@
 
 Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
 rank; `engine_gpu`), ``ECHONCCL_NCCL_LIBRARY`` (a libnccl.so.2 path; `nccl`),
-``ECHONCCL_FATBIN`` (prebuilt kernels; `kernels_cuda`).
+``ECHONCCL_FATBIN`` (prebuilt kernels; `kernels_cuda`), ``ECHONCCL_PIPELINE_MIN_CHUNK``
+(elements per chunk of two_shot_pipelined; `schedules.pipelined`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, fields
 
 from . import codec
 
-ALGORITHMS = ("two_shot", "ring", "nccl", "auto")
+ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "auto")
 ENGINES = ("cpu", "gpu", "auto")
 
 

@@ -15,20 +15,23 @@ class Layout:
     elements once zero-padded (a multiple of `codec.SLICE_QUANTUM`), and
     ``slice_bytes`` bytes on the wire. A *wire buffer* of ``n`` slices is
     ``n * slice_bytes`` contiguous bytes, slice ``i`` at ``wire_slot(i)``.
+    ``quantum`` (a multiple of 512) is what slices are rounded up to; the
+    pipelined schedule uses it to cut each rank's slice into equal chunks.
     """
 
     count: int
     nranks: int
     group: int
+    quantum: int = codec.SLICE_QUANTUM
 
     def __post_init__(self):
-        if self.count < 0 or self.nranks < 1:
-            raise ValueError(f"bad layout: count={self.count} nranks={self.nranks}")
+        if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % codec.SLICE_QUANTUM:
+            raise ValueError(f"bad layout: count={self.count} nranks={self.nranks} quantum={self.quantum}")
         codec.check_group_size(self.group)
 
     @cached_property
     def slice_elems(self) -> int:
-        q = codec.SLICE_QUANTUM
+        q = self.quantum
         per_rank = -(-self.count // self.nranks)
         return max(q, -(-per_rank // q) * q)
 

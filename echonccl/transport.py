@@ -9,6 +9,14 @@
     data and every send buffer may be reused. Messages between one pair of
     ranks are matched in call order, so every rank must issue the same rounds.
 
+``start(sends, recvs)`` / ``wait(handle)``
+    The same round split in two, so that a schedule can work while it is in
+    flight: ``start`` posts the round (GPU: on a communication stream that
+    first waits for the work already queued on the current stream) and
+    returns a handle; ``wait`` makes what follows (GPU: the current stream)
+    wait for it. The buffers belong to the round until then. ``exchange`` is
+    ``wait(start(...))``.
+
 ``rank`` and ``size`` identify this process in the group.
 """
 from __future__ import annotations
@@ -23,3 +31,7 @@ class Transport(Protocol):
     size: int
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None: ...
+
+    def start(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> Any: ...
+
+    def wait(self, handle: Any) -> None: ...

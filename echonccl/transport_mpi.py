@@ -29,13 +29,25 @@ class MpiTransport:
         self.timeout = timeout
 
     def exchange(self, sends, recvs) -> None:
-        """One round; a message whose size differs from its receive buffer (ranks out of step:
-        different collectives whose signatures each had already checked) raises `MismatchError`."""
+        """One round, completed before it returns (see `start`, `wait`)."""
+        self.wait(self.start(sends, recvs))
+
+    def start(self, sends, recvs):
+        """Post one round of nonblocking sends and receives; returns the handle `wait` takes.
+        The buffers belong to the round until `wait` returns."""
         MPI = self._MPI
         reqs = [self.comm.Irecv([buf, MPI.BYTE], source=peer, tag=_TAG) for peer, buf in recvs]
         reqs += [self.comm.Isend([buf, MPI.BYTE], dest=peer, tag=_TAG) for peer, buf in sends]
+        return reqs, list(sends), list(recvs)
+
+    def wait(self, handle) -> None:
+        """Complete a round; a message whose size differs from its receive buffer (ranks out of
+        step: different collectives whose signatures each had already checked) raises
+        `MismatchError`, a silent peer `PeerTimeoutError`."""
+        MPI = self._MPI
+        reqs, sends, recvs = handle
         statuses = [MPI.Status() for _ in reqs]
-        what = f"rank {self.rank}: exchange with ranks {sorted({p for p, _ in list(sends) + list(recvs)})}"
+        what = f"rank {self.rank}: exchange with ranks {sorted({p for p, _ in sends + recvs})}"
         try:
             wait_all(reqs, self.timeout, what, statuses, peers=[p for p, _ in recvs] + [p for p, _ in sends])
         except MPI.Exception as exc:

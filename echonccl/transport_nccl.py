@@ -16,18 +16,47 @@ class NcclTransport:
     `NcclComm.async_error` and `NcclComm.abort` from the engine for that.
     """
 
-    def __init__(self, nccl_comm, rank: int, size: int, stream_ptr_fn):
+    def __init__(self, nccl_comm, rank: int, size: int, stream_ptr_fn, events: int = 256):
         self.comm = nccl_comm
         self.rank = rank
         self.size = size
         self._stream_ptr_fn = stream_ptr_fn
         self._send, self._recv = nccl_comm.send, nccl_comm.recv
         self._group_start, self._group_end = nccl_comm.group_start, nccl_comm.group_end
+        self._side = None           # the communication stream and its event ring, made on first start()
+        self._nevents = events
 
     def exchange(self, sends, recvs) -> None:
+        """One round on the current stream."""
+        self._round(sends, recvs, self._stream_ptr_fn())
+
+    def start(self, sends, recvs):
+        """One round on the communication stream, after the current stream's queued work;
+        returns the event `wait` makes the current stream wait for. Events come from a ring
+        (no allocation per call; re-recording one never affects waits already enqueued), so
+        a handle must be waited on before ``events / 2`` further starts."""
+        import cupy
+
+        if self._side is None:
+            self._side = (cupy.cuda.Stream(non_blocking=True),
+                          [cupy.cuda.Event(disable_timing=True) for _ in range(self._nevents)], [0])
+        side, ring, at = self._side
+        ready, done = ring[at[0] % len(ring)], ring[(at[0] + 1) % len(ring)]
+        at[0] += 2
+        ready.record(cupy.cuda.get_current_stream())
+        side.wait_event(ready)
+        self._round(sends, recvs, side.ptr)
+        done.record(side)
+        return done
+
+    def wait(self, handle) -> None:
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(handle)
+
+    def _round(self, sends, recvs, stream: int) -> None:
         if not sends and not recvs:
             return
-        stream = self._stream_ptr_fn()
         send, recv = self._send, self._recv
         self._group_start()
         try:

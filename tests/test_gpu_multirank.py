@@ -6,12 +6,13 @@ from conftest import needs_gpus
 
 pytestmark = needs_gpus(2)
 
-CHECKS = ["matches_reference", "graph_replay", "torch_interop", "identical_and_bounded", "special_values",
+CHECKS = ["matches_reference", "pipelined_matches_two_shot", "graph_replay", "torch_interop", "identical_and_bounded", "special_values",
           "telescoping", "depth"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
-def test_gpu_check(mpirun, check):
+def test_gpu_check(mpirun, check, monkeypatch):
+    monkeypatch.setenv("ECHONCCL_PIPELINE_MIN_CHUNK", "512")    # two_shot_pipelined chunks test sizes
     res = mpirun(2, ["tests/mpi/checks.py", check, "gpu"], timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert f"OK {check} ranks=2 engine=gpu" in res.stdout

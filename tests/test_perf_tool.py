@@ -7,6 +7,7 @@ the table layout and the exit status.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -389,3 +390,10 @@ def test_report_usage_errors(tmp_path, capsys):
             report.main(argv)
         assert exc.value.code == 2
     assert "--plot: give one per file (2), got 1" in capsys.readouterr().err
+
+
+def test_algo_lists_and_unknown_names():
+    assert options.algorithms("both") == ("two_shot", "ring")
+    assert options.algorithms("two_shot,two_shot_pipelined") == ("two_shot", "two_shot_pipelined")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown algorithm 'tree'"):
+        options._algo_arg("two_shot,tree")

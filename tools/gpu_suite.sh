@@ -9,7 +9,7 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -np 2"
-PERF_ARGS=${PERF_ARGS:--b 64K -e 1G -f 4 -d bfloat16 -n 20 -w 5 --algo both}
+PERF_ARGS=${PERF_ARGS:--b 64K -e 1G -f 4 -d bfloat16 -n 20 -w 5 --algo two_shot,ring,two_shot_pipelined}
 status=0
 
 if [[ $what == tests || $what == all ]]; then

@@ -33,9 +33,9 @@ def _baseline(comm, x, out, stream) -> None:
     comm.baseline_all_reduce(x, out, stream=stream)
 
 
-def _echonccl(comm, algorithm: str, feedback: bool):
+def _echonccl(comm, algorithm: str, feedback: bool, residual: str = "float32"):
     """A ``call(x, out, stream)`` of ``algorithm`` with a fresh `Feedback` (or none) of its own."""
-    state = comm.new_feedback() if feedback else False
+    state = comm.new_feedback(residual) if feedback else False
 
     def call(x, out, stream) -> None:
         comm.all_reduce(x, out, feedback=state, algorithm=algorithm, stream=stream)
@@ -48,7 +48,7 @@ def variants(comm, opts) -> list:
     if not opts.no_baseline:
         found.append(Variant(comm.engine.baseline_name, True, lambda: partial(_baseline, comm)))
     for algo in opts.algorithms:
-        found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback)))
+        found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback, opts.residual)))
     return found
 
 

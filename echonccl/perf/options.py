@@ -20,7 +20,7 @@ from ..codec import GROUP_SIZES
 from .check import MAX_RELERR
 
 AVERAGE_MODES = {0: "rank 0", 1: "avg", 2: "min", 3: "max"}   # nccl-tests' -a
-ALGORITHM_CHOICES = ("two_shot", "ring", "both", "auto")
+ALGORITHM_CHOICES = ("two_shot", "ring", "two_shot_pipelined", "auto")   # "both": two_shot,ring
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -139,8 +139,11 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
                    "3 maximum (default 1)")
     g.add_argument("-J", "--json", metavar="FILE", help="write the results as JSON")
     e = p.add_argument_group("echonccl")
-    e.add_argument("--algo", choices=ALGORITHM_CHOICES, default="both",
-                   help="echonccl algorithm(s) to time (default both: two_shot and ring)")
+    e.add_argument("--algo", type=_algo_arg, default="both",
+                   help=f"echonccl algorithm(s) to time, comma-separated from {', '.join(ALGORITHM_CHOICES)} "
+                   "(default both: two_shot,ring)")
+    e.add_argument("--residual", choices=("float32", "input"), default="float32",
+                   help="feedback residual dtype (default float32; input: the data's dtype)")
     e.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="elements per 4-bit scale (default: the communicator's)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
@@ -153,9 +156,18 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     return p
 
 
+def _algo_arg(text: str) -> str:
+    names = algorithms(text)
+    bad = [a for a in names if a not in ALGORITHM_CHOICES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown algorithm {','.join(bad) or text!r}: "
+                                         f"choose from {', '.join(ALGORITHM_CHOICES)} or both")
+    return text
+
+
 def algorithms(choice: str) -> tuple:
-    """The echonccl algorithms an ``--algo`` choice stands for."""
-    return ("two_shot", "ring") if choice == "both" else (choice,)
+    """The echonccl algorithms an ``--algo`` choice stands for ("both": two_shot and ring)."""
+    return ("two_shot", "ring") if choice == "both" else tuple(a for a in choice.split(",") if a)
 
 
 def parse_options(argv, prog: str, collective: str, rank: int) -> argparse.Namespace:

@@ -13,7 +13,8 @@ Schedules never call numpy or cupy: they slice buffers and call ``k`` and ``t``.
 """
 from .two_shot import two_shot
 from .ring import ring
+from .pipelined import two_shot_pipelined
 
-SCHEDULES = {"two_shot": two_shot, "ring": ring}
+SCHEDULES = {"two_shot": two_shot, "ring": ring, "two_shot_pipelined": two_shot_pipelined}
 
-__all__ = ["SCHEDULES", "two_shot", "ring"]
+__all__ = ["SCHEDULES", "two_shot", "ring", "two_shot_pipelined"]

@@ -186,8 +186,8 @@ def check_graph_replay():
     import cupy
 
     comm = echonccl.Communicator(engine="gpu")
-    n = (1 << 22) + 5
-    for algo in ALGOS:
+    n = 1 << 22                         # a power of two: two_shot_pipelined cuts it into chunks
+    for algo in ALGOS + ("two_shot_pipelined",):
         x = cupy.asarray(rank_data(n, "bfloat16", seed=11))
         out = cupy.empty_like(x)
         eager_fb, graph_fb = comm.new_feedback(), comm.new_feedback()
@@ -237,9 +237,35 @@ def check_torch_interop():
     cpu.close()
 
 
+def check_pipelined_matches_two_shot():
+    """two_shot_pipelined gives two_shot's bits: outputs and residuals over calls with feedback,
+    every dtype, in and out of place (run with a small ECHONCCL_PIPELINE_MIN_CHUNK so K > 1)."""
+    from echonccl.schedules.pipelined import chunk_count
+
+    comm = echonccl.Communicator(engine=ENGINE)
+    chunked = 0
+    for dt in ("float32", "bfloat16", "float16"):
+        for n in (4096 * P, 8192 * P - 3, 65536 * P + 1000, 3000):
+            fa, fb = comm.new_feedback(), comm.new_feedback()
+            chunked += chunk_count(echonccl.Layout(n, P, comm.config.group_size).slice_elems) > 1
+            for t in range(3):
+                x = rank_data(n, dt, seed=20 + t)
+                ya = to_host(comm.all_reduce(to_engine(x), feedback=fa, algorithm="two_shot"))
+                xi = to_engine(x.copy())
+                comm.all_reduce(xi, xi, feedback=fb, algorithm="two_shot_pipelined")
+                what = f"{dt} n={n} call={t}"
+                assert to_host(xi).tobytes() == ya.tobytes(), f"{what}: pipelined output differs"
+                sa, sb = fa.state_dict(), fb.state_dict()
+                assert sa["inputs"].tobytes() == sb["inputs"].tobytes(), f"{what}: input residual differs"
+                assert sa["output"].tobytes() == sb["output"].tobytes(), f"{what}: output residual differs"
+    assert chunked >= 6, f"only {chunked} cases were cut into chunks: the test would prove nothing"
+    comm.close()
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
-           check_matches_reference, check_graph_replay, check_torch_interop)}
+           check_matches_reference, check_graph_replay, check_torch_interop,
+           check_pipelined_matches_two_shot)}
 
 if __name__ == "__main__":
     import faulthandler
