@@ -221,11 +221,10 @@ class Communicator:
             feedback.check_key((count, self.size, self.config.group_size, name))
 
     def _feedback(self, feedback, layout, name):
+        """The residuals of this call (``feedback`` already passed `_check_feedback`)."""
         if feedback is False:
             return None
         fb = self.default_feedback(layout.count, name) if feedback is None else feedback
-        if not isinstance(fb, Feedback):
-            raise TypeError(f"feedback must be a Feedback, False or None, not {type(fb).__name__}")
         key = (layout.count, layout.nranks, layout.group, name)
         return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
 
