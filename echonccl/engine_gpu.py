@@ -18,7 +18,7 @@ import numpy as np
 from . import dtypes, nccl
 from .errors import EchoncclError, PeerTimeoutError
 from .kernels_cuda import CudaKernels
-from .transport_mpi import allgather_object
+from .transport_mpi import allgather_object, node_rank_and_size
 from .transport_nccl import NcclTransport
 
 import cupy
@@ -49,16 +49,6 @@ def _as_cupy_stream(stream):
                     f"not {type(stream).__name__}")
 
 
-def local_rank(comm) -> int:
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank()
-    finally:
-        node.Free()
-
-
 class GpuEngine:
     """Engine on device arrays: `CudaKernels` + `NcclTransport` over one NCCL communicator.
 
@@ -76,7 +66,7 @@ class GpuEngine:
         self.timeout = timeout
         ndev = cupy.cuda.runtime.getDeviceCount()
         if device is None:
-            device = int(os.environ.get("ECHONCCL_DEVICE", local_rank(comm) % max(ndev, 1)))
+            device = int(os.environ.get("ECHONCCL_DEVICE", node_rank_and_size(comm)[0] % max(ndev, 1)))
         if not 0 <= device < ndev:
             raise EchoncclError(f"rank {comm.Get_rank()}: device {device} does not exist ({ndev} visible)")
         self.device = cupy.cuda.Device(device)

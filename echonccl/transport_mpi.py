@@ -104,3 +104,14 @@ def allgather_object(comm, obj, timeout: float) -> list:
     recv = np.empty(int(sizes.sum()), dtype=np.uint8)
     wait_all([comm.Iallgatherv(buf, [recv, sizes, displs, MPI.BYTE])], timeout, what)
     return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
+
+
+def node_rank_and_size(comm) -> tuple[int, int]:
+    """This rank's place among the ranks of ``comm`` that share its node, and their number."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()

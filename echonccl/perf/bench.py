@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import dtypes
+from ..transport_mpi import node_rank_and_size
 from .arrays import buffer_count, make_arrays, seed_for
 from .check import Result, Row, accuracy_stats, divergence_mask, worst
 from .options import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, element_counts, format_size,
@@ -101,7 +102,7 @@ class Bench:
         self.variants = collective.variants(comm, opts)
         self.dtype = dtypes.numpy_dtype(opts.datatype)
         self.points = element_counts(opts.sizes, self.dtype.itemsize)
-        self.budget = arrays.memory_budget(_local_ranks(mpi))
+        self.budget = arrays.memory_budget(node_rank_and_size(mpi)[1])
 
     # -- per size ------------------------------------------------------------------------------
     def inputs(self, nbytes: int, count: int) -> list:
@@ -192,17 +193,6 @@ class Bench:
             print("\n".join(footer_lines(summ, bool(self.opts.check))), flush=True)
             write_outputs(self.opts, info, rows, summ)
         return EXIT_OK if summ["ok"] else EXIT_FAILED
-
-
-def _local_ranks(mpi) -> int:
-    """Ranks sharing this node (they share its memory)."""
-    from mpi4py import MPI
-
-    node = mpi.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size()
-    finally:
-        node.Free()
 
 
 # ---------------------------------------------------------------------------------------------
