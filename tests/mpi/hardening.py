@@ -438,9 +438,11 @@ def _survive(check: str, call, t0: float, timeout: float, pids=None) -> None:
     except PeerTimeoutError as e:
         dt = time.monotonic() - t0
         _report(f"SURVIVOR rank={RANK} PeerTimeoutError after {dt:.2f} s: {e}")
-        if pids is not None:
-            for pid in pids:
+        for pid in pids or ():
+            try:
                 os.kill(pid, signal.SIGCONT)     # let the frozen peer go (it exits at once)
+            except ProcessLookupError:
+                pass                             # another survivor's SIGCONT already let it go
         ok = timeout - 0.05 <= dt <= timeout + LATE
         if RANK == 0 and ok:
             _report(f"OK {check} ranks={P} engine={ENGINE}")
