@@ -502,8 +502,21 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
     }
 }
 
+// Element i of 8 loaded elements, as its type (bits unchanged).
+template <typename T>
+__device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
+    const uint4& q = r.w[(i * Traits<T>::kBytes) / 16];
+    const int k = ((i * Traits<T>::kBytes) % 16) / 4;
+    const u32 word = k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
+    if constexpr (Traits<T>::kBytes == 4) return bitsf(word);
+    else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
+}
+
 // dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).
-template <typename OutT, int G>
+// kAcc (accumulate): out = round(float(out) + decoded) instead, except that an
+// out element that is NaN keeps its bits (a non-finite group's NaN, whatever
+// its payload) and a NaN-scale group writes its NaN as without kAcc.
+template <typename OutT, int G, bool kAcc>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S) {
     static_assert(G == 32 || G == 64 || G == 128, "group size");
@@ -546,7 +559,20 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
                 decode8(w[u], v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
-                store8f<OutT>(out, base + (t << 3), count, vec, v);
+                if constexpr (kAcc) {
+                    // Plain (coherent) loads: this kernel writes `out`.
+                    const Raw8<OutT> prev = load_raw8<OutT, false>(out, base + (t << 3), count, vec);
+                    float p[8];
+                    unpack8<OutT>(prev.w, p);
+                    OutT o[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        o[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(prev, i)
+                                                            : Traits<OutT>::from_f32(add_rn(p[i], v[i]));
+                    store8<OutT>(out, base + (t << 3), count, vec, o);
+                } else {
+                    store8f<OutT>(out, base + (t << 3), count, vec, v);
+                }
             }
         }
     }

@@ -12,6 +12,7 @@
 //       const uint8 *incoming, i64 n_in, i64 own_pos, const In *own, i64 own_n,
 //       Res *residual /* may be null */, uint8 *wire_out, i64 S)
 //   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
+//   echo_dequantize_acc_<out>_g<G>(...same...)      out += decoded (see dequantize_body)
 //       grid.y = number of slices to decode (ceil(count / S))
 //
 // with <in>, <out> in {f16, bf16, f32}; <res>, <ref> in {f32, <in>}; G in
@@ -46,12 +47,14 @@
                                                                        wire_out, S);                                  \
     }
 
-#define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
+#define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC)                                                                  \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
-        echo_dequantize_##OUT##_g##G(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out,             \
-                                     long long count, long long S) {                                                  \
-        echo::dequantize_body<echo::OUT, G>(wire, out, count, S);                                                     \
+        NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
+        echo::dequantize_body<echo::OUT, G, ACC>(wire, out, count, S);                                                \
     }
+#define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false)                                           \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G, OUT, G, true)
 
 ECHO_FOR_EACH_GROUP(ECHO_RQ_COMBOS, ECHO_DEFINE_REDUCE_QUANTIZE)
 ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE)

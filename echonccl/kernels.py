@@ -20,9 +20,12 @@ Two operations are enough for both schedules:
     is ``n_in = 1, own_pos = 1``; the two-shot owner is ``n_in = P - 1,
     own_pos = rank``.
 
-``dequantize(layout, wire, out)``
+``dequantize(layout, wire, out, accumulate=False)``
     Decode the consecutive slices of ``wire`` into ``out`` (1-D, the output
     dtype, at most as long as the slices hold), rounding to nearest even.
+    With ``accumulate``, add instead: ``out = round(float32(out) + decoded)``,
+    where an ``out`` element that is NaN keeps its bits, unless its group's
+    scale is NaN: that group is written as without ``accumulate``.
 
 Both run in the engine's stream order (numpy: at once). Buffers stay owned
 by the caller; kernels allocate only scratch that dies with the call.
@@ -35,4 +38,4 @@ from typing import Protocol
 class Kernels(Protocol):
     def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype) -> None: ...
 
-    def dequantize(self, layout, wire, out) -> None: ...
+    def dequantize(self, layout, wire, out, accumulate: bool = False) -> None: ...

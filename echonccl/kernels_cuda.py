@@ -60,14 +60,14 @@ def reduce_quantize_name(in_t: str, res_t: str, ref_t: str, group: int) -> str:
     return f"echo_reduce_quantize_{in_t}_res{res_t}_ref{ref_t}_g{group}"
 
 
-def dequantize_name(out_t: str, group: int) -> str:
-    return f"echo_dequantize_{out_t}_g{group}"
+def dequantize_name(out_t: str, group: int, accumulate: bool = False) -> str:
+    return f"echo_dequantize_{'acc_' if accumulate else ''}{out_t}_g{group}"
 
 
 def entry_points() -> list[str]:
     """Every kernel name ``echo_kernels.cu`` defines (the same list, built the same way)."""
     names = [reduce_quantize_name(i, r, f, g) for g in codec.GROUP_SIZES for i, r, f in _RQ_COMBOS]
-    names += [dequantize_name(o, g) for g in codec.GROUP_SIZES for o in _DQ_TYPES]
+    names += [dequantize_name(o, g, acc) for g in codec.GROUP_SIZES for o in _DQ_TYPES for acc in (False, True)]
     return names
 
 
@@ -195,7 +195,7 @@ class CudaKernels:
         self.dq_blocks_per_sm = int(dq_blocks_per_sm)
         self.check = check
         self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G) -> RawKernel
-        self._dq: dict = {}       # (out dtype, G) -> (RawKernel, unroll)
+        self._dq: dict = {}       # (out dtype, G, accumulate) -> (RawKernel, unroll)
         self._geoms: dict = {}    # (layout, device) -> (layout, S, G, B, rq blocks, {unroll: dq blocks})
         self._sms: dict = {}      # device -> multiprocessor count
 
@@ -257,9 +257,9 @@ class CudaKernels:
         return k
 
     def _dq_kernel(self, key):
-        out_dt, group = key
+        out_dt, group, accumulate = key
         t = _short(out_dt)
-        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group))), _DQ_UNROLL[t])
+        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group), accumulate)), _DQ_UNROLL[t])
         self._dq[key] = k
         return k
 
@@ -280,12 +280,12 @@ class CudaKernels:
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
         kern((blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S))
 
-    def dequantize(self, layout, wire, out) -> None:
+    def dequantize(self, layout, wire, out, accumulate: bool = False) -> None:
         count = out.size
         if count == 0:
             return
         _, S, G, B, _, dq_blocks = self._geom(layout)
-        key = (out.dtype, G)
+        key = (out.dtype, G, bool(accumulate))
         kern, unroll = self._dq.get(key) or self._dq_kernel(key)
         n = -(-count // S)
         if self.check:

@@ -45,12 +45,20 @@ class NumpyKernels:
                 ref = ref.astype(ref_dtype).astype(_F32)
             residual[:] = codec.residual_of(acc, ref, residual.dtype)
 
-    def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray) -> None:
+    def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
         n = wire.size // B
         w = wire[: n * B].reshape(n, B)
         q = codec.unpack_codes(np.ascontiguousarray(w[:, : S // 2]).reshape(-1))
         scale = np.ascontiguousarray(w[:, S // 2:]).view(codec.SCALE_DTYPE).reshape(-1)
-        values = codec.dequantize_groups(q, scale, G)
-        with np.errstate(over="ignore"):      # a sum beyond the output dtype's range is +-Inf, by design
-            out[:] = values[: out.size].astype(out.dtype)
+        values = codec.dequantize_groups(q, scale, G)[: out.size]
+        with np.errstate(over="ignore", invalid="ignore"):   # beyond the output dtype's range: +-Inf, by design
+            if not accumulate:
+                out[:] = values.astype(out.dtype)
+                return
+            total = (out.astype(_F32) + values).astype(out.dtype)
+            nan_group = np.isnan(values)
+            total[nan_group] = values[nan_group].astype(out.dtype)
+            keep = np.isnan(out) & ~nan_group                # a NaN already there keeps its bits
+        total[keep] = out[keep]
+        out[:] = total

@@ -45,9 +45,10 @@ def _ptx(tmp_path, src, *flags, name="k"):
 
 def test_entry_points_match_the_list(checked):
     assert sorted(checked["entries"]) == sorted(kc.entry_points())
-    assert len(kc.entry_points()) == 36
+    assert len(kc.entry_points()) == 27 + 18     # reduce_quantize 9 x 3 groups; dequantize 3 x 3 x 2
     assert "echo_reduce_quantize_bf16_resf32_refbf16_g32" in checked["entries"]
     assert "echo_dequantize_f16_g128" in checked["entries"]
+    assert "echo_dequantize_acc_bf16_g32" in checked["entries"]
 
 
 def test_no_spills_and_registers(checked):

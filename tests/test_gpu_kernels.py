@@ -209,6 +209,32 @@ def test_dequantize_matches_numpy(ck, dt, group):
         assert np.isnan(want.astype(np.float32)).any() or count < S, "the wire should carry NaN groups"
 
 
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_dequantize_accumulate_matches_numpy(ck, dt, group):
+    """out += decoded (rounds > 1): prior outputs with NaNs of several payloads, Inf, huge and
+    subnormal values, against NaN-scale, zero and huge wire groups; full, partial, unaligned."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([group, len(dt)])
+    layout = Layout(3 * S, 3, group)
+    wire = make_incoming(rng, layout, 3, dtype)
+    wire_d = to_dev(wire)
+    for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0)]:
+        prev = np.concatenate([make_own(rng, S, dtype, group) for _ in range(3)])[:count]
+        nan_bits = {2: [0x7c01, 0xfe00, 0x7fc0], 4: [0x7f800001, 0xffc00000, 0x7fc00123]}[dtype.itemsize]
+        for i, b in zip(rng.integers(0, count, 3), nan_bits):
+            prev[i:i + 1].view(UINT[dtype.itemsize])[0] = b
+        want = prev.copy()
+        NK.dequantize(layout, wire, want, accumulate=True)
+        big = to_dev(np.concatenate([np.full(off, 77, dtype), prev, np.full(4, 77, dtype)]))
+        ck.dequantize(layout, wire_d, big[off:off + count], accumulate=True)
+        cupy.cuda.get_current_stream().synchronize()
+        host = to_host(big)
+        assert_same_bits(host[off:off + count], want, f"dequantize accumulate {dt} G={group} count={count}")
+        guard = np.concatenate([host[:off], host[off + count:]])
+        assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
+
+
 def test_large_slice_grid_stride():
     """A slice bigger than one grid (blocks_per_sm=1): the grid-stride loop, several incoming slices."""
     ck1 = CudaKernels(blocks_per_sm=1)
