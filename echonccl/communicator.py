@@ -9,7 +9,7 @@ from . import dtypes
 from .errors import EchoncclError, MismatchError
 from .feedback import Feedback
 from .layout import Layout
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, run_rounds
 
 
 @dataclass
@@ -51,13 +51,13 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
-                 crossover_bytes=None, timeout=None, device=None):
+                 crossover_bytes=None, timeout=None, rounds=None, device=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
-                                      crossover_bytes=crossover_bytes, timeout=timeout)
+                                      crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
@@ -72,7 +72,7 @@ class Communicator:
                   f"ranks={self.size}", file=sys.stderr)
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, stream=None):
+    def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, rounds=None, stream=None):
         """Sum ``x`` over all ranks into ``out`` and return ``out``.
 
         ``x``: a float16/bfloat16/float32 array of the engine (numpy for the
@@ -84,6 +84,10 @@ class Communicator:
         into one residual stream; None (default), the communicator's default state
         for this (count, dtype); False, no feedback. ``algorithm``:
         ``two_shot``, ``ring``, ``nccl`` (the plain baseline) or ``auto``.
+        ``rounds`` (default: the communicator's, 1): 4-bit rounds; each round
+        after the first sends the residuals the previous one left, through the
+        feedback state, and adds their sum to ``out`` (`schedules.rounds`): r
+        times the traffic, about 10x less error per extra round. Needs feedback.
         ``stream``: the CUDA stream to run on (default: the current cupy
         stream); the call returns without synchronizing the host.
 
@@ -93,7 +97,7 @@ class Communicator:
         Errors: bad arguments raise `TypeError`/`ValueError` (a `Feedback` bound
         to another call: `EchoncclError`) before any communication. The first call
         of each signature (count, shape, dtype, algorithm, group size, feedback
-        off) is checked across ranks: ranks that disagree all raise the same
+        off, rounds) is checked across ranks: ranks that disagree all raise the same
         `MismatchError`. A peer that does not answer raises `PeerTimeoutError`
         after the timeout (GPU: in `synchronize`).
         """
@@ -106,9 +110,10 @@ class Communicator:
             xf, of = eng.flat(xa), eng.flat(oa)
             algo = self._algorithm(algorithm, xa)
             self._check_feedback(feedback, xa.size, name)
+            rounds = self._rounds(rounds, feedback, algo)
             # Every argument error above is local and raised before any communication.
             self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
-                                    feedback is False, tuple(xa.shape)))
+                                    feedback is False, tuple(xa.shape), rounds))
             if xa.size == 0:
                 pass
             elif self.size == 1:
@@ -119,8 +124,8 @@ class Communicator:
             else:
                 layout = self._layout(xa.size)
                 state = self._feedback(feedback, layout, name)
-                SCHEDULES[algo](eng.kernels, eng.transport, layout, xf, of, state,
-                                self._workspace(layout))
+                run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
+                           self._workspace(layout), rounds)
         return out if out is not None else oa
 
     def baseline_all_reduce(self, x, out=None, *, stream=None):
@@ -207,7 +212,8 @@ class Communicator:
         keys = self.engine.allgather_object(key)
         if any(k != keys[0] for k in keys):
             detail = "; ".join(f"rank {r}: count={k[1]} shape={k[6]} dtype={k[2]} algorithm={k[3]} "
-                               f"group={k[4]}{' no feedback' if k[5] else ''}" for r, k in enumerate(keys))
+                               f"group={k[4]} rounds={k[7]}{' no feedback' if k[5] else ''}"
+                               for r, k in enumerate(keys))
             raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
         self._checked.add(key)
 
@@ -219,6 +225,18 @@ class Communicator:
             raise TypeError(f"feedback must be a Feedback, False or None, not {type(feedback).__name__}")
         if feedback.enabled:
             feedback.check_key((count, self.size, self.config.group_size, name))
+
+    def _rounds(self, rounds, feedback, algo: str) -> int:
+        """The call's round count: 1 for the exact baseline and, unless asked for explicitly
+        (then `ValueError`), for calls without feedback; else ``rounds`` or the config's."""
+        no_feedback = feedback is False or (feedback is not None and not feedback.enabled)
+        if rounds is None:
+            return 1 if no_feedback or algo == "nccl" else self.config.rounds
+        _config.check_rounds(rounds)
+        if rounds > 1 and no_feedback:
+            raise ValueError(f"rounds={rounds} sends the feedback residuals: it needs feedback, "
+                             "and this call has none")
+        return 1 if algo == "nccl" else rounds
 
     def _feedback(self, feedback, layout, name):
         """The residuals of this call (``feedback`` already passed `_check_feedback`)."""

@@ -7,6 +7,7 @@
 | ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
+| ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |
 | ECHONCCL_DEBUG            | INFO logs the resolved configuration once at init    | unset   |
 
 Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
@@ -23,6 +24,7 @@ from . import codec
 
 ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "auto")
 ENGINES = ("cpu", "gpu", "auto")
+MAX_ROUNDS = 4
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Config:
     group_size: int = codec.DEFAULT_GROUP_SIZE
     crossover_bytes: int | None = None
     timeout: float = 300.0
+    rounds: int = 1
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -41,6 +44,14 @@ class Config:
         codec.check_group_size(self.group_size)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        check_rounds(self.rounds)
+
+
+def check_rounds(rounds) -> int:
+    """``rounds`` if it is an int in [1, MAX_ROUNDS], else `ValueError`."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
+        raise ValueError(f"rounds must be an int from 1 to {MAX_ROUNDS}, got {rounds!r}")
+    return rounds
 
 
 _ENV = {
@@ -49,6 +60,7 @@ _ENV = {
     "group_size": ("ECHONCCL_GROUP_SIZE", int),
     "crossover_bytes": ("ECHONCCL_CROSSOVER_BYTES", int),
     "timeout": ("ECHONCCL_TIMEOUT", float),
+    "rounds": ("ECHONCCL_ROUNDS", int),
 }
 
 

@@ -6,8 +6,8 @@ from conftest import needs_gpus
 
 pytestmark = needs_gpus(2)
 
-CHECKS = ["matches_reference", "pipelined_matches_two_shot", "graph_replay", "torch_interop", "identical_and_bounded", "special_values",
-          "telescoping", "depth"]
+CHECKS = ["matches_reference", "pipelined_matches_two_shot", "rounds", "graph_replay", "torch_interop",
+          "identical_and_bounded", "special_values", "telescoping", "depth"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

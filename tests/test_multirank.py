@@ -4,6 +4,7 @@ import pytest
 CASES = [(check, n) for check in ("identical_and_bounded", "special_values", "depth") for n in (2, 3, 4)]
 CASES += [("telescoping", n) for n in (2, 3, 4, 8)]
 CASES += [("pipelined_matches_two_shot", n) for n in (2, 3, 4)]
+CASES += [("rounds", n) for n in (2, 3, 4)]
 
 
 @pytest.mark.mpi

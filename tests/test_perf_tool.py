@@ -178,6 +178,17 @@ def test_single_rank_run(no_env_overrides, capsys):
     assert [int(r.split()[0]) for r in _data_lines(out)] == [1024, 2048, 4096]
 
 
+def test_rounds_option(no_env_overrides, capsys):
+    rc = all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--quiet",
+                          "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "feedback on (float32 residuals), rounds 2, algorithms two_shot ring" in out
+    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "--rounds", "2",
+                            "--no-feedback"]) == options.EXIT_USAGE
+    assert "--rounds 2 sends the feedback residuals" in capsys.readouterr().err
+
+
 def test_cudagraph_needs_gpu(no_env_overrides, capsys):
     rc = all_reduce.main(["--engine", "cpu", "-G", "1", "-b", "1K", "-e", "1K"])
     assert rc == options.EXIT_USAGE

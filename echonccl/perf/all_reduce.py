@@ -33,12 +33,12 @@ def _baseline(comm, x, out, stream) -> None:
     comm.baseline_all_reduce(x, out, stream=stream)
 
 
-def _echonccl(comm, algorithm: str, feedback: bool, residual: str = "float32"):
+def _echonccl(comm, algorithm: str, feedback: bool, residual: str = "float32", rounds: int = 1):
     """A ``call(x, out, stream)`` of ``algorithm`` with a fresh `Feedback` (or none) of its own."""
     state = comm.new_feedback(residual) if feedback else False
 
     def call(x, out, stream) -> None:
-        comm.all_reduce(x, out, feedback=state, algorithm=algorithm, stream=stream)
+        comm.all_reduce(x, out, feedback=state, algorithm=algorithm, rounds=rounds, stream=stream)
     return call
 
 
@@ -48,7 +48,8 @@ def variants(comm, opts) -> list:
     if not opts.no_baseline:
         found.append(Variant(comm.engine.baseline_name, True, lambda: partial(_baseline, comm)))
     for algo in opts.algorithms:
-        found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback, opts.residual)))
+        found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback, opts.residual,
+                                                  opts.rounds)))
     return found
 
 

@@ -147,6 +147,9 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="elements per 4-bit scale (default: the communicator's)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
+    e.add_argument("--rounds", type=_int_arg(1), default=1, metavar="R",
+                   help="4-bit rounds per all-reduce (default 1; R > 1 also sends the residuals, "
+                   "R times the traffic, needs feedback)")
     e.add_argument("--no-baseline", action="store_true", help="do not run the baseline")
     e.add_argument("--engine", choices=("cpu", "gpu", "auto"), default="auto",
                    help="echonccl engine (default auto: gpu when cupy sees one)")
@@ -183,6 +186,8 @@ def parse_options(argv, prog: str, collective: str, rank: int) -> argparse.Names
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     opts.algorithms = algorithms(opts.algo)
+    if opts.rounds > 1 and opts.no_feedback:
+        raise UsageError(f"--rounds {opts.rounds} sends the feedback residuals: drop --no-feedback")
     return opts
 
 

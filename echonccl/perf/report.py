@@ -33,6 +33,12 @@ from .table import format_ranks
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
+
+def feedback_words(info: dict) -> str:
+    """``feedback on`` / ``feedback off``, plus ``, R rounds`` when a run used more than one."""
+    rounds = info.get("rounds", 1)
+    return f"feedback {'on' if info['feedback'] else 'off'}" + (f", {rounds} rounds" if rounds > 1 else "")
+
 def _series(rows, label: str, field: str) -> list:
     return [getattr(r, field) for row in rows for r in row.results if r.label == label]
 
@@ -130,7 +136,7 @@ def write_plot(path: str, info: dict, rows, title: Optional[str] = None) -> None
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     described = (f"echonccl {info['collective']}: {format_ranks(info['nranks'])}, {info['dtype']}, "
-                 f"{info['engine']} engine, feedback {'on' if info['feedback'] else 'off'}")
+                 f"{info['engine']} engine, {feedback_words(info)}")
     fig.suptitle(described if title is None else f"{title}\n{described}")
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -200,7 +206,7 @@ def markdown_table(info: dict, rows) -> str:
     head += [c for a in algos for c in (f"{a} (us)", "busbw") + (("speedup",) if base else ())]
     head += ["relerr", "#wrong"]
     lines = [f"{info['engine_description']}, {format_ranks(info['nranks'])}, {info['dtype']}, "
-             f"group {info['group_size']}, feedback {'on' if info['feedback'] else 'off'}", "",
+             f"group {info['group_size']}, {feedback_words(info)}", "",
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in rows:
         by_label = {r.label: r for r in row.results}

@@ -65,7 +65,8 @@ def run_info(opts, collective: Collective, mpi, comm, arrays) -> dict:
         "baseline": getattr(engine, "baseline_name", "baseline"), "baseline_version": baseline_version(engine),
         "baseline_run": not opts.no_baseline, "mpi_version": mpi_library_version(),
         "cuda": arrays.cuda_version(), "dtype": opts.datatype, "group_size": comm.config.group_size,
-        "feedback": not opts.no_feedback, "residual": opts.residual, "algorithms": list(opts.algorithms),
+        "feedback": not opts.no_feedback, "residual": opts.residual, "rounds": opts.rounds,
+        "algorithms": list(opts.algorithms),
         "max_relerr_bound": MAX_RELERR, "units": {"time_us": "us", "algbw": "GB/s", "busbw": "GB/s"},
         "options": {k: v for k, v in vars(opts).items() if k not in ("sizes", "prog")},
         "ranks": mpi.gather(me, root=0),
@@ -86,7 +87,8 @@ def header_lines(info: dict) -> list:
     if info["cuda"]:
         lines.append(f"# CUDA     : {info['cuda']}")
     lines += [f"# echonccl : {info['dtype']}, group size {info['group_size']}, feedback "
-              f"{'on (' + info['residual'] + ' residuals)' if info['feedback'] else 'off'}, algorithms {' '.join(info['algorithms'])}",
+              f"{'on (' + info['residual'] + ' residuals)' if info['feedback'] else 'off'}, "
+              f"rounds {info.get('rounds', 1)}, algorithms {' '.join(info['algorithms'])}",
               f"# minBytes {o['minbytes']} maxBytes {o['maxbytes']} step: {step} warmup iters: "
               f"{o['warmup_iters']} iters: {o['iters']} check iters: {o['check']} cudagraph: "
               f"{o['cudagraph']} average: {o['average']} ({AVERAGE_MODES[o['average']]})",

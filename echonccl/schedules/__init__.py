@@ -10,11 +10,13 @@ A schedule is a function ``run(k, t, layout, x, out, state, ws)``:
 * ``ws``: `Workspace` wire buffers owned by the communicator.
 
 Schedules never call numpy or cupy: they slice buffers and call ``k`` and ``t``.
+`run_rounds` runs any of them as several 4-bit rounds (`rounds`).
 """
+from .rounds import run_rounds
 from .two_shot import two_shot
 from .ring import ring
 from .pipelined import two_shot_pipelined
 
 SCHEDULES = {"two_shot": two_shot, "ring": ring, "two_shot_pipelined": two_shot_pipelined}
 
-__all__ = ["SCHEDULES", "two_shot", "ring", "two_shot_pipelined"]
+__all__ = ["SCHEDULES", "run_rounds", "two_shot", "ring", "two_shot_pipelined"]

@@ -59,30 +59,91 @@ def check_identical_and_bounded():
 
 
 def check_telescoping():
-    """Over T calls sharing a Feedback: sum(out) - sum(exact) == -(all residuals), up to fp32 rounding."""
+    """Over T calls sharing a Feedback: sum(out) - sum(exact) == -(all residuals), up to fp32
+    rounding; with one 4-bit round per call and with two (``rounds=2``)."""
     comm = echonccl.Communicator(engine=ENGINE)
     n, T = 3000, 40
     for algo in ALGOS:
-        fb = comm.new_feedback()
-        acc_out = np.zeros(n)
-        acc_exact = np.zeros(n)
-        for t in range(T):
-            x = rank_data(n, "float32", seed=t)
-            acc_exact += exact_sum(x)
-            acc_out += to_host(comm.all_reduce(to_engine(x), feedback=fb, algorithm=algo)).astype(np.float64)
-        state = fb.state_dict()
-        e_in = WORLD.allreduce(state["inputs"].astype(np.float64))
-        e_out = np.concatenate(WORLD.allgather(state["output"].astype(np.float64)))
-        residual = (e_in + e_out)[:n]
-        gap = acc_out - acc_exact + residual
-        # each call rounds a handful of fp32 additions of magnitude ~P: about 1e-6 each
-        tol = 2.0 ** -22 * T * P * 2
-        worst = np.max(np.abs(gap))
-        if RANK == 0:
-            print(f"{algo}: telescoping gap {worst:.3g} (tolerance {tol:.3g}), residual {np.max(np.abs(residual)):.3g}")
-        assert worst <= tol, f"{algo}: telescoping gap {worst:.3g} > {tol:.3g}"
-        assert np.max(np.abs(residual)) > 1000 * tol, f"{algo}: residuals too small for the test to mean anything"
+        for rounds in (1, 2):
+            fb = comm.new_feedback()
+            acc_out = np.zeros(n)
+            acc_exact = np.zeros(n)
+            for t in range(T):
+                x = rank_data(n, "float32", seed=t)
+                acc_exact += exact_sum(x)
+                y = comm.all_reduce(to_engine(x), feedback=fb, algorithm=algo, rounds=rounds)
+                acc_out += to_host(y).astype(np.float64)
+            residual = owed(fb, n)
+            gap = acc_out - acc_exact + residual
+            # each round rounds a handful of fp32 additions of magnitude ~P: about 1e-6 each
+            tol = 2.0 ** -22 * T * P * 2 * rounds
+            worst = np.max(np.abs(gap))
+            if RANK == 0:
+                print(f"{algo} rounds={rounds}: telescoping gap {worst:.3g} (tolerance {tol:.3g}), "
+                      f"residual {np.max(np.abs(residual)):.3g}")
+            assert worst <= tol, f"{algo} rounds={rounds}: telescoping gap {worst:.3g} > {tol:.3g}"
+            assert np.max(np.abs(residual)) > 100 * tol, f"{algo}: residuals too small for the test to mean anything"
     comm.close()
+
+
+def owed(fb, n: int) -> np.ndarray:
+    """What the calls sharing ``fb`` still owe the sum: every rank's residuals, added (float64, n)."""
+    state = fb.state_dict()
+    e_in = WORLD.allreduce(state["inputs"].astype(np.float64))
+    e_out = np.concatenate(WORLD.allgather(state["output"].astype(np.float64)))
+    return (e_in + e_out)[:n]
+
+
+def check_rounds():
+    """``rounds=r``: every extra 4-bit round cuts one call's error several times (down to the
+    output dtype's rounding), outputs stay identical on all ranks, and the GPU engine gives
+    the CPU engine's bits (outputs and residuals, NaN and Inf groups included)."""
+    comm = echonccl.Communicator(engine=ENGINE)
+    ref = echonccl.Communicator(engine="cpu") if ENGINE == "gpu" else None
+    for algo in ALGOS + ("two_shot_pipelined",):
+        for dt in ("bfloat16", "float32"):
+            for n in (1000, 100_003):
+                x = rank_data(n, dt, seed=5)
+                exact = exact_sum(x)
+                floor = rel_err(exact.astype(x.dtype), exact)       # the output dtype's own rounding
+                errs = []
+                for rounds in (1, 2, 3):
+                    y = to_host(comm.all_reduce(to_engine(x), feedback=comm.new_feedback(), algorithm=algo,
+                                                rounds=rounds))
+                    what = f"{algo} {dt} n={n} rounds={rounds}"
+                    assert_identical_across_ranks(y, what)
+                    errs.append(rel_err(y, exact))
+                if RANK == 0:
+                    print(f"{algo} {dt} n={n}: relative error by rounds {[f'{e:.2e}' for e in errs]}, "
+                          f"{dt} rounding alone {floor:.2e}")
+                assert errs[1] < errs[0] / 5, f"{algo} {dt} n={n}: rounds=2 error {errs[1]:.3g} vs {errs[0]:.3g}"
+                assert errs[2] < max(errs[1] / 3, 2 * floor), f"{algo} {dt} n={n}: rounds=3 error {errs}"
+                if ref is not None:
+                    _same_as_reference(comm, ref, algo, dt, n)
+    comm.close()
+    if ref is not None:
+        ref.close()
+
+
+def rel_err(y: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(y.astype(np.float64) - exact) / np.linalg.norm(exact))
+
+
+def _same_as_reference(comm, ref, algo, dt, n):
+    """Two calls of ``rounds=2`` sharing a state, the second with NaN and Inf: GPU bits == CPU bits."""
+    fg, fc = comm.new_feedback(), ref.new_feedback()
+    for t in range(2):
+        x = rank_data(n, dt, seed=t)
+        if t == 1:
+            x[17] = np.nan if RANK == 0 else x[17]
+            x[100] = np.inf if RANK == P - 1 else x[100]
+        yg = to_host(comm.all_reduce(to_engine(x), feedback=fg, algorithm=algo, rounds=2))
+        yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=2)
+        what = f"{algo} {dt} n={n} rounds=2 call={t}"
+        assert same_bits(yg, yc), f"{what}: GPU output differs from the reference"
+        sg, sc = fg.state_dict(), fc.state_dict()
+        assert sg["inputs"].tobytes() == sc["inputs"].tobytes(), f"{what}: input residual differs"
+        assert sg["output"].tobytes() == sc["output"].tobytes(), f"{what}: output residual differs"
 
 
 def check_depth():
@@ -265,7 +326,7 @@ def check_pipelined_matches_two_shot():
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
            check_matches_reference, check_graph_replay, check_torch_interop,
-           check_pipelined_matches_two_shot)}
+           check_pipelined_matches_two_shot, check_rounds)}
 
 if __name__ == "__main__":
     import faulthandler
