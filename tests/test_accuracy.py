@@ -110,3 +110,7 @@ def test_smollm2_quick(tmp_path):
         echo = rows[f"echonccl {algo} G=32"]
         assert echo["agree"] >= plain["agree"], (algo, echo, plain)
         assert echo["ppl"] < plain["ppl"], (algo, echo, plain)
+        flush, two = rows[f"echonccl {algo} G=32 + flush"], rows[f"echonccl {algo} G=32 x2"]
+        assert flush["ppl"] < echo["ppl"] and flush["agree"] >= echo["agree"], (algo, flush, echo)
+        # two rounds per call: the targets (2%, 97%), with margin for 126 predictions
+        assert abs(two["ppl"] / ref - 1) < 0.03 and two["agree"] >= 0.95, (algo, two)

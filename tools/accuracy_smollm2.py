@@ -53,9 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--methods", nargs="+", default=["exact", "bf16", "plain", "two_shot", "ring"],
                    choices=["exact", "bf16", "plain", "two_shot", "ring"], help="exact is always run first")
-    p.add_argument("--bf16-tail", type=int, default=1,
-                   help="also run each echonccl method with its last K all-reduces in bf16 "
-                        "plus a residual flush (0: don't)")
+    p.add_argument("--rounds", type=int, nargs="+", default=[1, 2], choices=[1, 2, 3, 4],
+                   help="run each echonccl method with each of these 4-bit rounds per all-reduce")
+    p.add_argument("--no-flush", dest="flush", action="store_false",
+                   help="do not also run each echonccl method with one more round on the last "
+                        "all-reduce of a forward pass (the flush)")
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the partial sums are handed to the all-reduce in")
@@ -131,12 +133,13 @@ def methods_of(a, mpi, comms, cfg_layers):
         out["bf16 (NCCL-style)"] = reducers.Bf16(mpi)
     for g, c in comms.items():
         for key, algo, fb in VARIANTS:
-            if key in a.methods:
-                r = reducers.Echo(c, algo, fb, a.dtype)
-                out[r.name] = r
-        for key in ("two_shot", "ring"):
-            if key in a.methods and a.bf16_tail:
-                r = reducers.Echo(c, key, True, a.dtype, a.bf16_tail, 2 * cfg_layers)
+            if key not in a.methods:
+                continue
+            variants = [dict()] if not fb else [dict(rounds=r) for r in a.rounds]
+            if fb and a.flush:
+                variants.append(dict(flush=True, calls_per_pass=2 * cfg_layers))
+            for kw in variants:
+                r = reducers.Echo(c, algo, fb, a.dtype, **kw)
                 out[r.name] = r
     return out
 
@@ -185,20 +188,18 @@ def checks(rows, ref_ppl, group_sizes):
     out = []
     for g in group_sizes:
         plain = rows.get(f"plain 4-bit two_shot G={g}")
-        for algo in ("two_shot", "ring"):
-            r = rows.get(f"echonccl {algo} G={g}")
-            if r is None:
+        for name, r in rows.items():
+            if not (name.startswith("echonccl ") and f" G={g}" in name):
                 continue
             gap = abs(r["ppl"] / ref_ppl - 1)
-            out.append((f"echonccl {algo} G={g}: |ppl/unsplit - 1| = {gap:.2%} <= {PPL_TOL:.0%}", gap <= PPL_TOL))
-            out.append((f"echonccl {algo} G={g}: top-1 agreement {r['agree']:.2%} >= {MIN_AGREE:.0%}",
-                        r["agree"] >= MIN_AGREE))
+            out.append((f"{name}: |ppl/unsplit - 1| = {gap:.2%} <= {PPL_TOL:.0%}", gap <= PPL_TOL))
+            out.append((f"{name}: top-1 agreement {r['agree']:.2%} >= {MIN_AGREE:.0%}", r["agree"] >= MIN_AGREE))
             if plain:
                 pgap = abs(plain["ppl"] / ref_ppl - 1)
-                out.append((f"echonccl {algo} G={g}: ppl gap {gap:.2%} <= {GAP_FACTOR} x plain 4-bit's {pgap:.2%}",
+                out.append((f"{name}: ppl gap {gap:.2%} <= {GAP_FACTOR} x plain 4-bit's {pgap:.2%}",
                             gap <= GAP_FACTOR * pgap))
-                out.append((f"echonccl {algo} G={g}: agreement {r['agree']:.2%} >= plain 4-bit's "
-                            f"{plain['agree']:.2%}", r["agree"] >= plain["agree"]))
+                out.append((f"{name}: agreement {r['agree']:.2%} >= plain 4-bit's {plain['agree']:.2%}",
+                            r["agree"] >= plain["agree"]))
     return out
 
 
@@ -206,7 +207,8 @@ def plot(path, rows, group_sizes, title) -> None:
     with panels_per_group(path, group_sizes, title, "all-reduce (2 per layer)", legend_size=7) as panels:
         for ax, g in panels:
             for name, style in (("bf16 (NCCL-style)", "k:"), (f"plain 4-bit two_shot G={g}", "r-"),
-                                (f"echonccl two_shot G={g}", "b-"), (f"echonccl two_shot G={g} + bf16 last 1", "c--")):
+                                (f"echonccl two_shot G={g}", "b-"), (f"echonccl two_shot G={g} + flush", "c--"),
+                                (f"echonccl two_shot G={g} x2", "g-")):
                 if name in rows and rows[name]["stream_err"]:
                     e = rows[name]["stream_err"]
                     ax.semilogy(np.arange(1, len(e) + 1), e, style, label=name.replace(f" G={g}", ""))
