@@ -56,8 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, nargs="+", default=[1, 2], choices=[1, 2, 3, 4],
                    help="run each echonccl method with each of these 4-bit rounds per all-reduce")
     p.add_argument("--no-flush", dest="flush", action="store_false",
-                   help="do not also run each echonccl method with one more round on the last "
-                        "all-reduce of a forward pass (the flush)")
+                   help="do not also run each echonccl method and round count with one more round "
+                        "on the last all-reduce of a forward pass (the flush)")
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the partial sums are handed to the all-reduce in")
@@ -137,7 +137,7 @@ def methods_of(a, mpi, comms, cfg_layers):
                 continue
             variants = [dict()] if not fb else [dict(rounds=r) for r in a.rounds]
             if fb and a.flush:
-                variants.append(dict(flush=True, calls_per_pass=2 * cfg_layers))
+                variants += [dict(rounds=r, flush=True, calls_per_pass=2 * cfg_layers) for r in a.rounds]
             for kw in variants:
                 r = reducers.Echo(c, algo, fb, a.dtype, **kw)
                 out[r.name] = r
