@@ -44,12 +44,14 @@ def test_depth_feedback_bounds_stream_error(tmp_path):
     res = json.loads(out.read_text())
     assert res["depths"][0] == 1 and res["depths"][-1] == 128
     for g in (32, 64, 128):
-        for algo in ("two_shot", "ring"):
+        for algo in ("two_shot", "ring", "two_shot x2"):
             e = res["errors"][f"{algo} G={g}"]
             assert e[-1] <= 1.5 * e[0], f"echonccl {algo} G={g}: depth-128 error {e[-1]:.3g} vs depth-1 {e[0]:.3g}"
         p = res["errors"][f"plain G={g}"]
         assert p[-1] >= 5 * p[0], f"plain 4-bit G={g} grew only {p[-1] / p[0]:.2f}x"
         assert res["errors"][f"two_shot G={g}"][-1] < p[-1]
+        two, one = res["errors"][f"two_shot x2 G={g}"], res["errors"][f"two_shot G={g}"]
+        assert max(two) < max(one) / 4, f"rounds=2 G={g}: {max(two):.3g} vs one round's {max(one):.3g}"
 
 
 def test_tp_partial_sums_add_up_to_unsplit_blocks():

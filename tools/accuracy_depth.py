@@ -23,7 +23,8 @@ it d times, so its relative error grows until the stream outgrows ``h0``.
 
 Compared: the exact float64 sum, NCCL-style bf16, plain 4-bit (two_shot,
 ``feedback=False``), and echonccl two_shot and ring with error feedback (one
-`Feedback` per method, shared by all L layers), at each group size. Reported:
+`Feedback` per method, shared by all L layers), and two_shot with ``rounds=2``
+("two_shot x2"), at each group size. Reported:
 relative error of each stream against the exact stream at depths 1, 2, 4, ..., L.
 ``--check`` asserts the targets: echonccl's error at depth L is at most 1.5x
 its depth-1 error, plain 4-bit's grows at least 5x (exit status 1 otherwise).
@@ -101,6 +102,7 @@ def run(a, mpi):
     for g, c in comms.items():
         for key, algo, fb in VARIANTS:
             methods[f"{key} G={g}"] = reducers.Echo(c, algo, fb, a.dtype)
+        methods[f"two_shot x2 G={g}"] = reducers.Echo(c, "two_shot", True, a.dtype, rounds=2)
     outl = np.random.default_rng([a.seed, 2]).choice(a.hidden, a.outliers, replace=False)
     c = shared_components(a, outl, rank, size)
     h0 = np.random.default_rng([a.seed, 3]).standard_t(a.df, size=(a.tokens, a.hidden)) * a.embed
@@ -124,7 +126,7 @@ def checks(errs: dict, group_sizes) -> list[tuple[str, float, bool]]:
     """(description, growth, passed) for every echonccl method and plain 4-bit at every group size."""
     out = []
     for g in group_sizes:
-        for key in ("two_shot", "ring"):
+        for key in ("two_shot", "ring", "two_shot x2"):
             e = errs[f"{key} G={g}"]
             out.append((f"echonccl {key} G={g}: err(L)/err(1) <= {ECHO_MAX_GROWTH}", e[-1] / e[0],
                         e[-1] <= ECHO_MAX_GROWTH * e[0]))
@@ -145,7 +147,8 @@ def table(depths, errs) -> str:
 def plot(path, depths, errs, group_sizes, title) -> None:
     with panels_per_group(path, group_sizes, title, "depth (layers)") as panels:
         for ax, g in panels:
-            styles = (("bf16", "k:"), (f"plain G={g}", "r-o"), (f"two_shot G={g}", "b-s"), (f"ring G={g}", "g--^"))
+            styles = (("bf16", "k:"), (f"plain G={g}", "r-o"), (f"two_shot G={g}", "b-s"), (f"ring G={g}", "g--^"),
+                      (f"two_shot x2 G={g}", "c-d"))
             for m, style in styles:
                 ax.loglog(depths, errs[m], style, label=m.replace(f" G={g}", "").replace("plain", "plain 4-bit"), ms=4)
 
