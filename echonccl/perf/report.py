@@ -33,11 +33,12 @@ from .table import format_ranks
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
-
 def feedback_words(info: dict) -> str:
-    """``feedback on`` / ``feedback off``, plus ``, R rounds`` when a run used more than one."""
+    """``feedback on`` / ``feedback off``, plus ``, R rounds`` when a run used more than one
+    (JSON files from before ``--rounds`` have no ``rounds``: one)."""
     rounds = info.get("rounds", 1)
     return f"feedback {'on' if info['feedback'] else 'off'}" + (f", {rounds} rounds" if rounds > 1 else "")
+
 
 def _series(rows, label: str, field: str) -> list:
     return [getattr(r, field) for row in rows for r in row.results if r.label == label]

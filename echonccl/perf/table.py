@@ -88,7 +88,7 @@ def header_lines(info: dict) -> list:
         lines.append(f"# CUDA     : {info['cuda']}")
     lines += [f"# echonccl : {info['dtype']}, group size {info['group_size']}, feedback "
               f"{'on (' + info['residual'] + ' residuals)' if info['feedback'] else 'off'}, "
-              f"rounds {info.get('rounds', 1)}, algorithms {' '.join(info['algorithms'])}",
+              f"rounds {info['rounds']}, algorithms {' '.join(info['algorithms'])}",
               f"# minBytes {o['minbytes']} maxBytes {o['maxbytes']} step: {step} warmup iters: "
               f"{o['warmup_iters']} iters: {o['iters']} check iters: {o['check']} cudagraph: "
               f"{o['cudagraph']} average: {o['average']} ({AVERAGE_MODES[o['average']]})",
