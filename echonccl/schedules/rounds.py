@@ -7,6 +7,14 @@ the residual the previous round left (the owner's includes the rounding of
 telescoping of error feedback, ``out`` after r rounds misses the exact sum only by
 the residuals of round r, each about 1/10 of the previous round's, at r times the
 wire bytes and kernel launches of one round.
+
+One thing is not fed back: adding round r's sum into a 16-bit ``out`` rounds it once
+more (``round(out + decoded)``), and the owners' residuals only know
+``round(decoded)``. So with float16/bfloat16 outputs each call with ``rounds > 1``
+leaves one rounding of its output to the dtype untracked (at most half an ulp of
+``out``, what NCCL's own bf16 all-reduce leaves on every call); float32 outputs lose
+only float32 rounding. Feeding it back would need the owner's quantize to read its
+slice of ``out``.
 """
 from __future__ import annotations
 
