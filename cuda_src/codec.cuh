@@ -360,12 +360,14 @@ constexpr int kInBatch = ECHO_IN_BATCH;
 
 // -------------------------------------------------------------- the kernels
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
-// `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements.
+// `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
+// `base` (may be null; only read with a residual) has base_n.
 template <typename InT, typename ResT, typename RefT, int G>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
-                                                     unsigned char* __restrict__ wire_out, i64 S) {
+                                                     unsigned char* __restrict__ wire_out, i64 S,
+                                                     const RefT* __restrict__ base, i64 base_n) {
     static_assert(G == 32 || G == 64 || G == 128, "group size");
     constexpr int kLanes = G / 8;  // lanes per group
     const i64 nthreads = S >> 3;
@@ -487,11 +489,23 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(wire_out + codes_bytes)[grp] = scale;
 
         if (residual != nullptr) {
-            // residual = v - ref, ref = fl(q * scale) rounded through RefT; non-finite -> 0.
+            // residual = v - ref, ref = fl(q * scale) rounded through RefT; with a base,
+            // ref = round_RefT(base + fl(q * scale)) - base instead; non-finite -> 0.
             float e[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
-            round_through8<RefT>(e);
+            if (base != nullptr) {
+                const Raw8<RefT> braw = load_raw8<RefT, true>(base, e0, base_n, aligned16(base));
+                float b[8];
+                unpack8<RefT>(braw.w, b);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) e[i] = add_rn(b[i], e[i]);
+                round_through8<RefT>(e);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) e[i] = sub_rn(e[i], b[i]);
+            } else {
+                round_through8<RefT>(e);
+            }
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const float d = sub_rn(acc[i], e[i]);

@@ -10,7 +10,8 @@
 //
 //   echo_reduce_quantize_<in>_res<res>_ref<ref>_g<G>(
 //       const uint8 *incoming, i64 n_in, i64 own_pos, const In *own, i64 own_n,
-//       Res *residual /* may be null */, uint8 *wire_out, i64 S)
+//       Res *residual /* may be null */, uint8 *wire_out, i64 S,
+//       const Ref *base /* may be null */, i64 base_n)
 //   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
 //   echo_dequantize_acc_<out>_g<G>(...same...)      out += decoded (see dequantize_body)
 //       grid.y = number of slices to decode (ceil(count / S))
@@ -42,9 +43,9 @@
         echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G(                                                       \
         const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                                \
         const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                         \
-        unsigned char* __restrict__ wire_out, long long S) {                                                          \
+        unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base, long long base_n) {    \
         echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G>(incoming, n_in, own_pos, own, own_n, residual, \
-                                                                       wire_out, S);                                  \
+                                                                       wire_out, S, base, base_n);                    \
     }
 
 #define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC)                                                                  \

@@ -2,7 +2,7 @@
 
 Two operations are enough for both schedules:
 
-``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype)``
+``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None)``
     Sum, in float32 and in this order, the decoded slices of ``incoming`` (a
     wire buffer of ``n_in`` consecutive slices, or None for ``n_in = 0``) with
     this rank's own contribution ``own`` inserted at position ``own_pos``
@@ -15,6 +15,11 @@ Two operations are enough for both schedules:
     * ``residual``: ``layout.slice_elems`` elements (float32 or the input
       dtype), read and overwritten; None when feedback is off.
     * ``wire_out``: ``layout.slice_bytes`` bytes, overwritten.
+    * ``base`` (an owner in a refinement round, with ``residual``): this rank's
+      slice of the output so far, ``ref_dtype``, at most ``layout.slice_elems``
+      elements (the rest counts as zeros), read only. ``ref`` is then
+      ``round(base + decoded) - base``: what `dequantize` with ``accumulate``
+      will really add to that slice, its rounding included.
 
     Quantizing a contribution for a peer is the case ``n_in = 0``; a ring hop
     is ``n_in = 1, own_pos = 1``; the two-shot owner is ``n_in = P - 1,
@@ -36,6 +41,7 @@ from typing import Protocol
 
 
 class Kernels(Protocol):
-    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype) -> None: ...
+    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype,
+                        base=None) -> None: ...
 
     def dequantize(self, layout, wire, out, accumulate: bool = False) -> None: ...

@@ -264,12 +264,17 @@ class CudaKernels:
         return k
 
     # -- the interface -----------------------------------------------------------
-    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype) -> None:
+    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None) -> None:
         _, S, G, B, blocks, _ = self._geom(layout)
         n_in = 0 if incoming is None else incoming.size // B
         key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, G)
         kern = self._rq.get(key) or self._rq_kernel(key)
+        if residual is None:
+            base = None                      # only the residual reads it
         if self.check:
+            if base is not None and (base.dtype != np.dtype(ref_dtype) or base.size > S
+                                     or (base.size > 1 and base.strides[0] != base.itemsize)):
+                raise ValueError(f"base must be a contiguous 1-D view of at most {S} elements of {ref_dtype}")
             if not 0 <= own_pos <= n_in:
                 raise ValueError(f"own_pos {own_pos} outside [0, {n_in}]")
             if own.size > S or (own.size > 1 and own.strides[0] != own.itemsize):
@@ -278,7 +283,8 @@ class CudaKernels:
                 raise ValueError(f"residual must be a contiguous 1-D view of {S} elements")
             if wire_out.size < B or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
-        kern((blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S))
+        kern((blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S,
+                                   base, 0 if base is None else base.size))
 
     def dequantize(self, layout, wire, out, accumulate: bool = False) -> None:
         count = out.size

@@ -24,7 +24,7 @@ class NumpyKernels:
     """numpy implementation of `kernels.Kernels` (host memory, synchronous)."""
 
     def reduce_quantize(self, layout: Layout, incoming, own_pos: int, own: np.ndarray,
-                        residual, wire_out: np.ndarray, ref_dtype) -> None:
+                        residual, wire_out: np.ndarray, ref_dtype, base=None) -> None:
         S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
         terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G) for i in range(n_in)]
@@ -41,8 +41,12 @@ class NumpyKernels:
         scales[:] = scale
         if residual is not None:
             ref = codec.dequantize_groups(q, scale, G)
-            if np.dtype(ref_dtype) != _F32:
-                ref = ref.astype(ref_dtype).astype(_F32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                if base is not None:                 # what accumulating into base really adds
+                    b = _padded_f32(base, S)
+                    ref = (b + ref).astype(ref_dtype).astype(_F32) - b
+                elif np.dtype(ref_dtype) != _F32:
+                    ref = ref.astype(ref_dtype).astype(_F32)
             residual[:] = codec.residual_of(acc, ref, residual.dtype)
 
     def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:

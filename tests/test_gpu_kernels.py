@@ -118,12 +118,14 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str):
                              f"got {g[idx[:8]].tolist()} want {w[idx[:8]].tolist()}")
 
 
-def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host, ref_dtype, case):
-    """One reduce_quantize on both engines from identical inputs; compare; return the new residuals."""
+def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host, ref_dtype, case, base=None):
+    """One reduce_quantize on both engines from identical inputs; compare; return the new residuals.
+    ``base``: None, or (host array, offset) for the refinement rounds' owner base."""
     B = layout.slice_bytes
     wire_np = np.full(B, 0xAB, dtype=np.uint8)
     res_np = None if residual_host is None else residual_host.copy()
-    NK.reduce_quantize(layout, incoming, own_pos, own_host, res_np, wire_np, ref_dtype)
+    NK.reduce_quantize(layout, incoming, own_pos, own_host, res_np, wire_np, ref_dtype,
+                       None if base is None else base[0])
 
     big = np.zeros(own_host.size + own_offset + 3, dtype=own_host.dtype)
     big[own_offset:own_offset + own_host.size] = own_host
@@ -131,7 +133,11 @@ def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host,
     inc_d = None if incoming is None else to_dev(incoming)
     res_d = None if residual_host is None else to_dev(residual_host)
     wire_d = to_dev(np.full(B, 0x5C, dtype=np.uint8))
-    ck.reduce_quantize(layout, inc_d, own_pos, own_d, res_d, wire_d, ref_dtype)
+    base_d = None
+    if base is not None:
+        b_host, b_off = base
+        base_d = to_dev(np.concatenate([np.zeros(b_off, b_host.dtype), b_host]))[b_off:]
+    ck.reduce_quantize(layout, inc_d, own_pos, own_d, res_d, wire_d, ref_dtype, base_d)
     cupy.cuda.get_current_stream().synchronize()
 
     assert_same_bits(to_host(wire_d), wire_np, f"wire {case}")
@@ -168,6 +174,26 @@ def test_reduce_quantize_matches_numpy(ck, dt, res, group):
             residual = make_residual(rng, dtype, res)
             case = f"{dt} res={res} ref={ref} G={group} n_in={n_in} own_pos={own_pos} own_n={own_n} off={off}"
             run_both(ck, layout, incoming, own_pos, own, off, residual, ref_dtype, case)
+
+
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("res", ["f32", "input"])
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group):
+    """The owner of a refinement round: ref = round(base + decoded) - base, base being its slice
+    of the output so far (adversarial: NaN, Inf, the dtype's max, subnormals), full, partial,
+    empty and unaligned."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([group, len(dt), len(res)])
+    layout = Layout(S, 1, group)
+    ref_dtype = ref_for(dtype, "in")
+    for n_in, base_n, off in [(1, S, 0), (3, S, 1), (1, 1000, 0), (2, 513, 1), (1, 0, 0)]:
+        incoming = make_incoming(rng, layout, n_in, dtype)
+        residual = make_residual(rng, dtype, res)
+        base = make_own(rng, base_n, dtype, group)
+        case = f"{dt} res={res} G={group} n_in={n_in} base_n={base_n} off={off}"
+        run_both(ck, layout, incoming, n_in, make_own(rng, 0, dtype, group), 0, residual, ref_dtype, case,
+                 base=(base, off))
 
 
 @pytest.mark.parametrize("res", ["f32", "input"])

@@ -53,6 +53,27 @@ def test_accumulate_keeps_nan_bits_and_writes_nan_groups(dtype):
     assert np.all(out[64:] == nan_alone[64:])
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_owner_base_feeds_back_the_rounding_of_the_accumulation(dtype):
+    """With ``base`` (its slice of out), the owner's residual is measured against what
+    dequantize(accumulate=True) really adds: base + decoded, rounded to the output dtype."""
+    layout = Layout(1024, 1, 32)
+    rng = np.random.default_rng(3)
+    incoming = _wire(rng.standard_normal(1024).astype(np.float32) * 1e-2, layout)
+    base = (rng.standard_normal(1024) * 30).astype(dtype)
+    res_with, res_without = np.zeros(1024, np.float32), np.zeros(1024, np.float32)
+    wire = np.zeros(layout.slice_bytes, np.uint8)
+    NK.reduce_quantize(layout, incoming, 1, np.zeros(0, dtype), res_with, wire, np.dtype(dtype), base)
+    NK.reduce_quantize(layout, incoming, 1, np.zeros(0, dtype), res_without, wire, np.dtype(dtype))
+    out = base.copy()
+    NK.dequantize(layout, wire, out, accumulate=True)
+    acc = codec.decode(incoming, 1024, 32)
+    added = out.astype(np.float32) - base.astype(np.float32)
+    assert np.array_equal(res_with, acc - added), "residual is not what the accumulation left out"
+    if np.dtype(dtype) != np.float32:
+        assert not np.array_equal(res_with, res_without), "the rounding of out should matter here"
+
+
 @pytest.fixture
 def comm():
     with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:

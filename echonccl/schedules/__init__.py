@@ -1,13 +1,16 @@
 """All-reduce schedules, each written once over `kernels.Kernels` and `transport.Transport`.
 
-A schedule is a function ``run(k, t, layout, x, out, state, ws)``:
+A schedule is a function ``run(k, t, layout, x, out, state, ws, accumulate=False)``:
 
 * ``k``, ``t``: the engine's kernels and transport;
 * ``x``: the caller's flat input (``layout.count`` elements), read only;
 * ``out``: the flat output (same length; may be ``x`` itself), written last;
 * ``state``: `feedback.Residuals` (``inputs``: ``layout.padded`` elements,
   ``output``: ``layout.slice_elems``) or None when feedback is off;
-* ``ws``: `Workspace` wire buffers owned by the communicator.
+* ``ws``: `Workspace` wire buffers owned by the communicator;
+* ``accumulate``: a refinement round (`rounds`): add the sum into ``out``
+  instead of writing it, the owners passing their slice of ``out`` as the
+  ``base`` of their last quantization so that its rounding is fed back too.
 
 Schedules never call numpy or cupy: they slice buffers and call ``k`` and ``t``.
 `run_rounds` runs any of them as several 4-bit rounds (`rounds`).

@@ -34,7 +34,7 @@ def chunk_count(slice_elems: int) -> int:
     return k
 
 
-def two_shot_pipelined(k, t, layout, x, out, state, ws) -> None:
+def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """`two_shot` in K chunks (see the module docstring); K = 1 is `two_shot` itself.
 
     ``ws.peers_out``/``ws.peers_in`` are used chunk-major: chunk ``j`` holds its
@@ -43,7 +43,7 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws) -> None:
     """
     K = chunk_count(layout.slice_elems)
     if K == 1:
-        return two_shot(k, t, layout, x, out, state, ws)
+        return two_shot(k, t, layout, x, out, state, ws, accumulate)
     r, P = t.rank, t.size
     C = layout.slice_elems // K
     V = Layout(layout.count, P * K, layout.group, quantum=C)
@@ -69,9 +69,10 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws) -> None:
         lo, hi = V.bounds(v)
         incoming = ws.peers_in[j * (P - 1) * Bc:(j + 1) * (P - 1) * Bc]
         e_out = None if state is None else state.output[j * C:(j + 1) * C]
-        k.reduce_quantize(V, incoming, r, x[lo:hi], e_out, ws.gather[V.wire_slot(v)], out.dtype)
+        k.reduce_quantize(V, incoming, r, x[lo:hi], e_out, ws.gather[V.wire_slot(v)], out.dtype,
+                          out[lo:hi] if accumulate else None)
         gathered.append(t.start([(s, ws.gather[V.wire_slot(v)]) for s in peers],
                                 [(s, ws.gather[V.wire_slot(s * K + j)]) for s in peers]))
     for h in gathered:
         t.wait(h)
-    k.dequantize(V, ws.gather, out)
+    k.dequantize(V, ws.gather, out, accumulate)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .two_shot import _part
 
 
-def ring(k, t, layout, x, out, state, ws) -> None:
+def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """Slice ``c`` starts at rank ``c + 1``, which quantizes its contribution
     (plus its input residual); each following rank decodes the partial sum,
     adds its own contribution in float32 plus its input residual for that
@@ -31,9 +31,9 @@ def ring(k, t, layout, x, out, state, ws) -> None:
             k.reduce_quantize(L, recv, 1, x[lo:hi], _part(state, c, L), send, "float32")
         else:
             k.reduce_quantize(L, recv, 1, x[lo:hi], None if state is None else state.output,
-                              ws.gather[slot(r)], out.dtype)
+                              ws.gather[slot(r)], out.dtype, out[lo:hi] if accumulate else None)
 
     for step in range(P - 1):
         t.exchange([(right, ws.gather[slot((r - step) % P)])],
                    [(left, ws.gather[slot((r - step - 1) % P)])])
-    k.dequantize(L, ws.gather, out)
+    k.dequantize(L, ws.gather, out, accumulate)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-def two_shot(k, t, layout, x, out, state, ws) -> None:
+def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """Each rank quantizes its contribution to every peer's slice and sends it to
     that owner; the owner sums, in float32 and rank order, the decoded peer
     slices with its own slice taken exactly, adds its output residual,
@@ -24,10 +24,10 @@ def two_shot(k, t, layout, x, out, state, ws) -> None:
 
     lo, hi = L.bounds(r)
     k.reduce_quantize(L, ws.peers_in, r, x[lo:hi], None if state is None else state.output,
-                      ws.gather[slot(r)], out.dtype)
+                      ws.gather[slot(r)], out.dtype, out[lo:hi] if accumulate else None)
     t.exchange([(s, ws.gather[slot(r)]) for s in peers],
                [(s, ws.gather[slot(s)]) for s in peers])
-    k.dequantize(L, ws.gather, out)
+    k.dequantize(L, ws.gather, out, accumulate)
 
 
 def _part(state, s, layout):
