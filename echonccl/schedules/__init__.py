@@ -3,7 +3,7 @@
 A schedule is a function ``run(k, t, layout, x, out, state, ws, accumulate=False)``:
 
 * ``k``, ``t``: the engine's kernels and transport;
-* ``x``: the caller's flat input (``layout.count`` elements), read only;
+* ``x``: the caller's flat input (``layout.count`` elements; empty in a refinement round), read only;
 * ``out``: the flat output (same length; may be ``x`` itself), written last;
 * ``state``: `feedback.Residuals` (``inputs``: ``layout.padded`` elements,
   ``output``: ``layout.slice_elems``) or None when feedback is off;
