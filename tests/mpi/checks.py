@@ -141,9 +141,7 @@ def _same_as_reference(comm, ref, algo, dt, n):
         yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=2)
         what = f"{algo} {dt} n={n} rounds=2 call={t}"
         assert same_bits(yg, yc), f"{what}: GPU output differs from the reference"
-        sg, sc = fg.state_dict(), fc.state_dict()
-        assert sg["inputs"].tobytes() == sc["inputs"].tobytes(), f"{what}: input residual differs"
-        assert sg["output"].tobytes() == sc["output"].tobytes(), f"{what}: output residual differs"
+        assert_same_residuals(fg, fc, what)
 
 
 def check_depth():
@@ -214,6 +212,13 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(nan, np.isnan(b32)) and a[~nan].tobytes() == b[~nan].tobytes())
 
 
+def assert_same_residuals(fa, fb, what: str) -> None:
+    """Both feedback states hold bitwise the same residuals (inputs and output)."""
+    sa, sb = fa.state_dict(), fb.state_dict()
+    assert sa["inputs"].tobytes() == sb["inputs"].tobytes(), f"{what}: input residual differs"
+    assert sa["output"].tobytes() == sb["output"].tobytes(), f"{what}: output residual differs"
+
+
 def check_matches_reference():
     """GPU engine == CPU engine bit for bit: outputs and both residuals, over several calls
     with feedback, every dtype and residual dtype, odd sizes, special values."""
@@ -234,9 +239,7 @@ def check_matches_reference():
                         yc = cpu.all_reduce(x, feedback=fc, algorithm=algo)
                         what = f"{algo} {dt} res={rdt} n={n} call={t}"
                         assert same_bits(yg, yc), f"{what}: GPU output differs from the reference"
-                        sg, sc = fg.state_dict(), fc.state_dict()
-                        assert sg["inputs"].tobytes() == sc["inputs"].tobytes(), f"{what}: input residual differs"
-                        assert sg["output"].tobytes() == sc["output"].tobytes(), f"{what}: output residual differs"
+                        assert_same_residuals(fg, fc, what)
                         assert_identical_across_ranks(np.nan_to_num(yg.astype(np.float32)), what)
     gpu.close()
     cpu.close()
@@ -316,9 +319,7 @@ def check_pipelined_matches_two_shot():
                 comm.all_reduce(xi, xi, feedback=fb, algorithm="two_shot_pipelined")
                 what = f"{dt} n={n} call={t}"
                 assert to_host(xi).tobytes() == ya.tobytes(), f"{what}: pipelined output differs"
-                sa, sb = fa.state_dict(), fb.state_dict()
-                assert sa["inputs"].tobytes() == sb["inputs"].tobytes(), f"{what}: input residual differs"
-                assert sa["output"].tobytes() == sb["output"].tobytes(), f"{what}: output residual differs"
+                assert_same_residuals(fa, fb, what)
     assert chunked >= 6, f"only {chunked} cases were cut into chunks: the test would prove nothing"
     comm.close()
 
