@@ -362,23 +362,43 @@ constexpr int kInBatch = ECHO_IN_BATCH;
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
 // `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
 // `base` (may be null; only read with a residual) has base_n.
-template <typename InT, typename ResT, typename RefT, int G>
+// Loads of wire bytes: read-only cache path, or L2 only (kPeer: written by another GPU
+// during this kernel, which the non-coherent L1/texture path may not see).
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u32(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const u32*>(p));
+    else return __ldg(reinterpret_cast<const u32*>(p));
+}
+template <bool kPeer>
+__device__ __forceinline__ float ld_wire_f32(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const float*>(p));
+    else return __ldg(reinterpret_cast<const float*>(p));
+}
+
+// The threads [t_first, t_end) of a slice (one thread = 8 elements = one code word),
+// walked with `stride`: a standalone kernel passes its grid-stride range over all S / 8
+// threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
+// scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
+// kernel's peers), as they are made.
+template <typename InT, typename ResT, typename RefT, int G, bool kPeer = false>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
                                                      unsigned char* __restrict__ wire_out, i64 S,
-                                                     const RefT* __restrict__ base, i64 base_n) {
+                                                     const RefT* __restrict__ base, i64 base_n,
+                                                     i64 t_first, i64 t_end, i64 stride,
+                                                     unsigned char* const* copies = nullptr, int ncopies = 0,
+                                                     i64 copy_off = 0) {
     static_assert(G == 32 || G == 64 || G == 128, "group size");
     constexpr int kLanes = G / 8;  // lanes per group
-    const i64 nthreads = S >> 3;
+    const i64 nthreads = t_end;
     const i64 slice_bytes = (S >> 1) + 4 * (S / G);
     const i64 codes_bytes = S >> 1;
     const bool own_vec = aligned16(own);
     const bool res_vec = residual != nullptr && aligned16(residual);
     const int nin = (int)n_in, opos = (int)own_pos;
 
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    i64 t = t_first;
     Raw8<InT> own_next;
     Raw8<ResT> res_next;
     if (ECHO_PREFETCH && t < nthreads) {
@@ -411,21 +431,21 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = -0.0f;
-        for (int base = 0; base < nin; base += kInBatch) {
+        for (int b0 = 0; b0 < nin; b0 += kInBatch) {
             u32 w[kInBatch];
             float sc[kInBatch];
 #pragma unroll
             for (int u = 0; u < kInBatch; ++u) {
-                if (base + u < nin) {
-                    const unsigned char* sl = incoming + (i64)(base + u) * slice_bytes;
-                    w[u] = __ldg(reinterpret_cast<const u32*>(sl) + t);
-                    sc[u] = __ldg(reinterpret_cast<const float*>(sl + codes_bytes) + grp);
+                if (b0 + u < nin) {
+                    const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
+                    w[u] = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
+                    sc[u] = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sl + codes_bytes) + grp);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kInBatch; ++u) {
-                if (base + u < nin) {
-                    if (base + u == opos) add_terms(acc, own_v);
+                if (b0 + u < nin) {
+                    if (b0 + u == opos) add_terms(acc, own_v);
                     add_decoded(acc, w[u], sc[u]);
                 }
             }
@@ -487,6 +507,11 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         for (int i = 0; i < 8; ++i) word |= (code[i] & 0xfu) << (4 * i);
         reinterpret_cast<u32*>(wire_out)[t] = word;
         if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(wire_out + codes_bytes)[grp] = scale;
+        for (int c = 0; c < ncopies; ++c) {
+            unsigned char* dst = copies[c] + copy_off;
+            reinterpret_cast<u32*>(dst)[t] = word;
+            if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(dst + codes_bytes)[grp] = scale;
+        }
 
         if (residual != nullptr) {
             // residual = v - ref, ref = fl(q * scale) rounded through RefT; with a base,
@@ -530,12 +555,13 @@ __device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
 // kAcc (accumulate): out = round(float(out) + decoded) instead, except that an
 // out element that is NaN keeps its bits (a non-finite group's NaN, whatever
 // its payload) and a NaN-scale group writes its NaN as without kAcc.
-template <typename OutT, int G, bool kAcc>
+// Threads [t_first, t_end) of the slice, walked with `stride` (see reduce_quantize_body).
+template <typename OutT, int G, bool kAcc, bool kPeer = false>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
-                                                i64 count, i64 S) {
+                                                i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
+                                                i64 stride) {
     static_assert(G == 32 || G == 64 || G == 128, "group size");
     constexpr int kLanes = G / 8;
-    const i64 slice = blockIdx.y;
     const i64 slice_bytes = (S >> 1) + 4 * (S / G);
     const unsigned char* sl = wire + slice * slice_bytes;
     const u32* codes = reinterpret_cast<const u32*>(sl);
@@ -543,19 +569,19 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
     const i64 base = slice * S;
     i64 nthreads = S >> 3;
     if (count - base < S) nthreads = (count - base + 7) >> 3;
+    if (t_end < nthreads) nthreads = t_end;
     const bool vec = aligned16(out);
 
-    const i64 stride = (i64)gridDim.x * blockDim.x;
     constexpr int kU = Traits<OutT>::kBytes == 2 ? ECHO_DQ_UNROLL16 : ECHO_DQ_UNROLL32;
-    for (i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; t0 < nthreads; t0 += kU * stride) {
+    for (i64 t0 = t_first; t0 < nthreads; t0 += kU * stride) {
         u32 w[kU];
         float scale[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const i64 t = t0 + u * stride;
             if (u == 0 || t < nthreads) {
-                w[u] = __ldg(codes + t);
-                scale[u] = __ldg(scales + t / kLanes);
+                w[u] = ld_wire_u32<kPeer>(codes + t);
+                scale[u] = ld_wire_f32<kPeer>(scales + t / kLanes);
             }
         }
 #pragma unroll

@@ -44,14 +44,17 @@
         const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                                \
         const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                         \
         unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base, long long base_n) {    \
-        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G>(incoming, n_in, own_pos, own, own_n, residual, \
-                                                                       wire_out, S, base, base_n);                    \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G>(                                                \
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
+            (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }
 
 #define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC)                                                                  \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
         NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
-        echo::dequantize_body<echo::OUT, G, ACC>(wire, out, count, S);                                                \
+        echo::dequantize_body<echo::OUT, G, ACC>(wire, out, count, S, blockIdx.y,                                     \
+                                                 (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,            \
+                                                 (long long)gridDim.x * blockDim.x);                                  \
     }
 #define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
     ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false)                                           \
