@@ -121,11 +121,17 @@ class Communicator:
                     eng.copy(of, xf)
             elif algo == "nccl":
                 eng.baseline_all_reduce(xf, of)
+            elif algo == "one_shot":
+                eng.one_shot(xf, of)
             else:
                 layout = self._layout(xa.size)
                 state = self._feedback(feedback, layout, name)
-                run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
-                           self._workspace(layout), rounds)
+                fused = eng.fused_schedule(algo, layout)
+                if fused is not None:
+                    fused(layout, xf, of, state, rounds)
+                else:
+                    run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
+                               self._workspace(layout), rounds)
         return out if out is not None else oa
 
     def baseline_all_reduce(self, x, out=None, *, stream=None):
@@ -203,7 +209,7 @@ class Communicator:
         cross = self.config.crossover_bytes
         if cross is None:
             cross = self.engine.crossover_bytes(self.size)
-        return "nccl" if xa.nbytes < cross else self.engine.preferred_schedule(self.size)
+        return self.engine.small_algorithm() if xa.nbytes < cross else self.engine.preferred_schedule(self.size)
 
     def _check_consistent(self, key) -> None:
         """Once per distinct call signature: all ranks must agree on it (one small allgather)."""
@@ -231,12 +237,12 @@ class Communicator:
         (then `ValueError`), for calls without feedback; else ``rounds`` or the config's."""
         no_feedback = feedback is False or (feedback is not None and not feedback.enabled)
         if rounds is None:
-            return 1 if no_feedback or algo == "nccl" else self.config.rounds
+            return 1 if no_feedback or algo in ("nccl", "one_shot") else self.config.rounds
         _config.check_rounds(rounds)
         if rounds > 1 and no_feedback:
             raise ValueError(f"rounds={rounds} sends the feedback residuals: it needs feedback, "
                              "and this call has none")
-        return 1 if algo == "nccl" else rounds
+        return 1 if algo in ("nccl", "one_shot") else rounds
 
     def _feedback(self, feedback, layout, name):
         """The residuals of this call (``feedback`` already passed `_check_feedback`)."""

@@ -3,7 +3,7 @@
 | variable                  | meaning                                              | default |
 |---------------------------|------------------------------------------------------|---------|
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
-| ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl or auto     | auto    |
+| ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl, one_shot or auto | auto |
 | ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
@@ -13,7 +13,10 @@
 Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
 rank; `engine_gpu`), ``ECHONCCL_NCCL_LIBRARY`` (a libnccl.so.2 path; `nccl`),
 ``ECHONCCL_FATBIN`` (prebuilt kernels; `kernels_cuda`), ``ECHONCCL_PIPELINE_MIN_CHUNK``
-(elements per chunk of two_shot_pipelined; `schedules.pipelined`).
+(elements per chunk of two_shot_pipelined; `schedules.pipelined`), ``ECHONCCL_FUSED``
+(0: no fused peer-memory kernels, every schedule over NCCL; `fused`),
+``ECHONCCL_FUSED_CROSSOVER_BYTES`` (auto with fused kernels: below it the 16-bit one-shot;
+`engine_gpu`), ``ECHONCCL_FUSED_BLOCKS_PER_SM`` (grid of the fused kernels; `fused`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass, fields
 
 from . import codec
 
-ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "auto")
+ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "one_shot", "auto")
 ENGINES = ("cpu", "gpu", "auto")
 MAX_ROUNDS = 4
 

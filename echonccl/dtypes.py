@@ -12,8 +12,22 @@ SUPPORTED = {
 CUDA_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
 
+_NAMES: dict = {}     # dtype -> name, for the hot path (numpy's dtype.name is slow)
+
+
 def canonical(dtype) -> str:
     """Name of a supported dtype; `TypeError` naming the supported ones otherwise."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _canonical(dtype)
+    if isinstance(dtype, np.dtype):
+        _NAMES[dtype] = name
+    return name
+
+
+def _canonical(dtype) -> str:
     name = getattr(dtype, "name", None) or str(dtype)
     name = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(name, name)
     if name not in SUPPORTED:

@@ -63,6 +63,17 @@ class CpuEngine:
     def preferred_schedule(self, nranks: int) -> str:
         return "two_shot"
 
+    def small_algorithm(self) -> str:
+        return "nccl"
+
+    def fused_schedule(self, algo: str, layout):
+        """The CPU engine runs every schedule as written (no fused implementations)."""
+        return None
+
+    def one_shot(self, x, out) -> None:
+        """The 16-bit one-shot's CPU stand-in: the baseline (a float32 sum rounded once)."""
+        self.baseline_all_reduce(x, out)
+
     def stream_scope(self, stream):
         return contextlib.nullcontext()
 

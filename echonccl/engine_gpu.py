@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import dtypes, nccl
+from . import dtypes, fused, nccl
 from .errors import EchoncclError, PeerTimeoutError
 from .kernels_cuda import CudaKernels
 from .transport_mpi import allgather_object, node_rank_and_size
@@ -49,6 +49,11 @@ def _as_cupy_stream(stream):
                     f"not {type(stream).__name__}")
 
 
+# ``auto`` below this input size runs the 16-bit one-shot when peers map each other's memory
+# (measured on two H200s over NVLink: BENCHMARKS.md, "Fused path").
+FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 16 << 20))
+
+
 class GpuEngine:
     """Engine on device arrays: `CudaKernels` + `NcclTransport` over one NCCL communicator.
 
@@ -79,11 +84,16 @@ class GpuEngine:
         self.kernels = CudaKernels()
         self.kernels.preload()
         self.transport = NcclTransport(self.nccl, rank, size, _current_stream_ptr)
+        self.fused = None
         self._warm_up()
+        if size > 1 and fused.available(comm, self.device.id, self.allgather_object):
+            self.fused = fused.FusedPaths(comm, self.allgather_object, rank, size, timeout)
+            self.fused.preload()
 
     # -- description ------------------------------------------------------------------------
     def describe(self) -> str:
-        return f"gpu (CUDA kernels, NCCL {self.nccl_version()}, device {self.device.id})"
+        path = "fused peer-memory kernels" if self.fused is not None else "NCCL send/recv"
+        return f"gpu (CUDA kernels, NCCL {self.nccl_version()}, device {self.device.id}, {path})"
 
     def nccl_version(self) -> str:
         return ".".join(map(str, self.lib.version()))
@@ -153,6 +163,24 @@ class GpuEngine:
         """NCCL's own ncclAllReduce (sum) on the current stream."""
         self.nccl.all_reduce(x.data.ptr, out.data.ptr, x.size, dtypes.canonical(x.dtype), _current_stream_ptr())
 
+    def fused_schedule(self, algo: str, layout):
+        """The fused one-kernel implementation of schedule ``algo`` for ``layout`` (a callable
+        ``(layout, x, out, state, rounds)``), or None: then the schedule runs over NCCL."""
+        if self.fused is not None and algo == "two_shot" and self.fused.two_shot_fits(layout):
+            return self.fused.two_shot
+        return None
+
+    def small_algorithm(self) -> str:
+        """What ``auto`` runs below the crossover: the 16-bit peer-memory one-shot, else NCCL."""
+        return "one_shot" if self.fused is not None else "nccl"
+
+    def one_shot(self, x, out) -> None:
+        """16-bit one-shot all-reduce through peer memory (NCCL's all-reduce where there is none)."""
+        if self.fused is not None and self.fused.one_shot_fits(x):
+            self.fused.one_shot(x, out)
+        else:
+            self.baseline_all_reduce(x, out)
+
     def crossover_bytes(self, nranks: int) -> int:
         """Below this input size ``auto`` dispatches to NCCL's own all-reduce.
 
@@ -162,6 +190,8 @@ class GpuEngine:
         with ``NCCL_SHM_DISABLE=1`` too (sockets) 2 MiB (2.4x at 16 MiB). Override
         with ``ECHONCCL_CROSSOVER_BYTES``.
         """
+        if self.fused is not None:
+            return FUSED_CROSSOVER_BYTES
         if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
             return (2 << 20) if os.environ.get("NCCL_SHM_DISABLE", "0") not in ("0", "") else (8 << 20)
         return 128 << 20
@@ -174,6 +204,12 @@ class GpuEngine:
         after ``timeout`` (default: the engine's) and aborts the NCCL communicator."""
         stream = cupy.cuda.get_current_stream()
         timeout = self.timeout if timeout is None else timeout
+        self._wait_stream(stream, timeout)
+        if self.fused is not None and self.fused.failed():
+            raise PeerTimeoutError(f"rank {self.transport.rank}: a fused all-reduce gave up waiting for a peer "
+                                   f"(timeout {self.timeout:g} s): a peer died, hangs or called differently")
+
+    def _wait_stream(self, stream, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not stream.done:
             err = self.nccl.async_error()
@@ -190,6 +226,9 @@ class GpuEngine:
         if not self.nccl.closed:
             with contextlib.suppress(EchoncclError):
                 self.synchronize()
+            if self.fused is not None:
+                cupy.cuda.runtime.deviceSynchronize()
+                self.fused.close()
             self.nccl.destroy()
 
     # -- internals ------------------------------------------------------------------------------

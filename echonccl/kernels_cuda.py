@@ -102,13 +102,14 @@ def source_fingerprint(d: Path) -> str:
     return h.hexdigest()
 
 
-def module_source() -> str:
-    """``echo_kernels.cu`` with ``codec.cuh`` inlined (what NVRTC compiles)."""
+def module_source(name: str = "echo_kernels.cu") -> str:
+    """The kernel file ``name`` of ``cuda_src`` with ``codec.cuh`` inlined (what NVRTC compiles,
+    so that CuPy's cache key covers the header too)."""
     d = source_dir()
     header = (d / "codec.cuh").read_text()
-    body, n = _INCLUDE_RE.subn("", (d / "echo_kernels.cu").read_text())
+    body, n = _INCLUDE_RE.subn("", (d / name).read_text())
     if n != 1:
-        raise RuntimeError('echo_kernels.cu must #include "codec.cuh" exactly once')
+        raise RuntimeError(f'{name} must #include "codec.cuh" exactly once')
     return header + "\n" + body
 
 

@@ -20,7 +20,7 @@ from ..codec import GROUP_SIZES
 from .check import MAX_RELERR
 
 AVERAGE_MODES = {0: "rank 0", 1: "avg", 2: "min", 3: "max"}   # nccl-tests' -a
-ALGORITHM_CHOICES = ("two_shot", "ring", "two_shot_pipelined", "auto")   # "both": two_shot,ring
+ALGORITHM_CHOICES = ("two_shot", "ring", "two_shot_pipelined", "one_shot", "auto")   # "both": two_shot,ring
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 

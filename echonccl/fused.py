@@ -1,0 +1,171 @@
+"""The GPU engine's fused paths through peer memory: one kernel launch per all-reduce.
+
+* `FusedPaths.two_shot`: the two-shot schedule (`schedules.two_shot`) as ONE kernel
+  (``cuda_src/fused_kernels.cu``): blocks quantize their part of the input into the owner's
+  registered receive buffer, the owner reduces, requantizes and stores its codes into every
+  rank's gather buffer, every rank decodes; flags in peer memory order the steps. Outputs and
+  residuals are bitwise those of the three-kernel two_shot, and so of the numpy reference.
+  Rounds > 1 are one launch per round (``accumulate``), as `schedules.rounds` runs them.
+* `FusedPaths.one_shot`: a 16-bit one-shot all-reduce for small sizes: every rank pushes its
+  input to every peer and sums the P inputs in rank order in float32, rounded once.
+
+Used when every rank of the communicator is on one node and every pair of GPUs can map each
+other's memory (`available`), unless ``ECHONCCL_FUSED=0`` (then the NCCL send/recv path runs
+every schedule). Launches go on the current stream, allocate nothing once a size fits the
+registered region, never synchronize the host, and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import dtypes, kernels_cuda
+from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
+                          one_shot_tiles)
+
+SOURCE = "fused_kernels.cu"
+BLOCK = 256
+BLOCKS_PER_SM = int(os.environ.get("ECHONCCL_FUSED_BLOCKS_PER_SM", 4))
+DEFAULT_MAX_BYTES = 4 << 30
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def enabled_by_env() -> bool:
+    """False when ``ECHONCCL_FUSED=0`` or NCCL is told not to use peer-to-peer (``NCCL_P2P_DISABLE``)."""
+    if os.environ.get("ECHONCCL_FUSED", "1") in ("0", "false", "no"):
+        return False
+    return os.environ.get("NCCL_P2P_DISABLE", "0") in ("0", "")
+
+
+def available(comm, device_id: int, allgather) -> bool:
+    """Collective: True when every rank is on this node and every pair of devices can map each
+    other's memory (or is the same device), at most `MAX_RANKS` ranks. Same answer on every rank."""
+    from cupy.cuda import runtime
+
+    from .transport_mpi import node_rank_and_size
+
+    local = node_rank_and_size(comm)[1] == comm.Get_size() and comm.Get_size() <= MAX_RANKS
+    devs = allgather((device_id, local, enabled_by_env()))
+    ok = all(d[1] and d[2] for d in devs)
+    if ok:
+        ok = all(d == device_id or runtime.deviceCanAccessPeer(device_id, d) for d, _, _ in devs)
+    return all(allgather(ok))
+
+
+def fused_name(dtype: str, res: str, group: int) -> str:
+    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}"
+
+
+def one_shot_name(dtype: str) -> str:
+    return f"echo_one_shot_{dtype}"
+
+
+class _Module:
+    def __init__(self, options=()):
+        self.options = tuple(options)
+        self._raw = None
+        self._kernels = {}
+
+    def kernel(self, name: str):
+        k = self._kernels.get(name)
+        if k is None:
+            import cupy
+
+            if self._raw is None:
+                fatbin = os.environ.get("ECHONCCL_FUSED_FATBIN")
+                if fatbin:
+                    self._raw = cupy.RawModule(path=fatbin)
+                else:
+                    d = kernels_cuda.source_dir()
+                    self._raw = cupy.RawModule(code=kernels_cuda.module_source(SOURCE),
+                                               options=kernels_cuda.NVRTC_OPTIONS + (f"-I{d}",) + self.options)
+            k = self._kernels[name] = self._raw.get_function(name)
+        return k
+
+
+class FusedPaths:
+    """The fused launches of one communicator over its `PeerMemory` (see the module docstring)."""
+
+    def __init__(self, comm, allgather, rank: int, size: int, timeout: float,
+                 max_bytes: int = DEFAULT_MAX_BYTES, blocks_per_sm: int = BLOCKS_PER_SM, options=()):
+        import cupy
+
+        self.rank, self.size = rank, size
+        self.peers = PeerMemory(comm, allgather, max_bytes)
+        self.timeout_ns = int(timeout * 1e9)
+        self.module = _Module(tuple(options) + tuple(os.environ.get("ECHONCCL_FUSED_DEFINES", "").split()))
+        dev = cupy.cuda.runtime.getDevice()
+        self.max_blocks = blocks_per_sm * cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+
+    def preload(self) -> None:
+        for t in _SHORT.values():
+            self.module.kernel(one_shot_name(t))
+            self.module.kernel(f"echo_one_shot_ll_{t}")
+
+    # -- two-shot ---------------------------------------------------------------------------
+    def two_shot_fits(self, layout) -> bool:
+        """True when ``layout`` fits a region (growing it collectively if needed)."""
+        return self._region(layout.slice_bytes, fused_tiles(layout.slice_elems)) is not None
+
+    def two_shot(self, layout, x, out, state, rounds: int = 1) -> None:
+        """The fused two_shot of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
+        S, G, P = layout.slice_elems, layout.group, self.size
+        T = fused_tiles(S)
+        region = self._region(layout.slice_bytes, T)
+        t = _SHORT[dtypes.canonical(x.dtype)]
+        if state is None:
+            res_in = res_out = 0
+            r = "f32"
+        else:
+            res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
+            r = _SHORT[dtypes.canonical(state.inputs.dtype)]
+        kern = self.module.kernel(fused_name(t, r, G))
+        grid = (min(self.max_blocks, 2 * P * T),)
+        args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
+                region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
+        kern(grid, (BLOCK,), tuple(args))
+        args[1], args[11] = 0, 1
+        for _ in range(rounds - 1):
+            kern(grid, (BLOCK,), tuple(args))
+
+    # -- one-shot ---------------------------------------------------------------------------
+    def one_shot(self, x, out) -> None:
+        """16-bit one-shot sum of ``x`` into ``out`` (flat engine arrays of one dtype): up to
+        `LL_MAX_BYTES` (4-byte aligned) as low-latency lines, else in flagged tiles; the same bits."""
+        n = x.size
+        n8, T, region = self._one_shot_region(n, x.itemsize)
+        t = _SHORT[dtypes.canonical(x.dtype)]
+        if x.nbytes <= LL_MAX_BYTES and not (x.data.ptr | out.data.ptr) & 3:
+            words = -(-x.nbytes // 4)
+            kern = self.module.kernel(f"echo_one_shot_ll_{t}")
+            kern((-(-words // BLOCK),), (BLOCK,), (x.data.ptr, out.data.ptr, n, self.rank, self.size, LL_WORDS,
+                                                    region.table.data.ptr, region.epochs, region.ctl,
+                                                    self.timeout_ns))
+            return
+        kern = self.module.kernel(one_shot_name(t))
+        grid = (max(1, min(self.max_blocks, 2 * T)),)
+        kern(grid, (BLOCK,), (x.data.ptr, out.data.ptr, n, self.rank, self.size, ONE_SHOT_TILE,
+                              region.max_tiles, region.table.data.ptr, region.ctl, self.timeout_ns))
+
+    def one_shot_fits(self, x) -> bool:
+        return self._one_shot_region(x.size, x.itemsize)[2] is not None
+
+    def _one_shot_region(self, n: int, itemsize: int):
+        n8 = max(8, -(-n // 8) * 8)
+        T = one_shot_tiles(n8)
+        return n8, T, self._region(-(-(n * itemsize) // 256) * 256, T)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def failed(self) -> bool:
+        """True when a kernel gave up waiting for a peer (synchronous: call after the stream is done)."""
+        return self.peers.errors()
+
+    def nbytes(self) -> int:
+        return self.peers.nbytes()
+
+    def close(self) -> None:
+        self.peers.close()
+
+    def _region(self, slice_bytes: int, ntiles: int):
+        return self.peers.region_for(slice_bytes, ntiles)

@@ -1,0 +1,159 @@
+"""Peer-memory buffers for the fused path: registered once, mapped by every rank of the node.
+
+Each rank allocates one region with plain ``cudaMalloc`` (never CuPy's pool: an IPC handle
+names a whole allocation and opens at its base), zeroes it, and exchanges its CUDA IPC
+handle over MPI; every rank opens every other rank's handle. This is how vLLM's custom
+all-reduce and QuickReduce share buffers, and it works with any NCCL (NCCL's own symmetric
+memory would tie the kernels to the device-API headers of the NCCL loaded at run time; see
+BENCHMARKS.md, "Fused path").
+
+Region layout (offsets 256-byte aligned; ``cuda_src/fused_kernels.cu`` reads the same)::
+
+    ctl     256 B: epoch, ticket, done, error (u32 each; local use)
+    epochs  u32[LL_BLOCKS]: the low-latency one-shot's per-block epochs (local use)
+    flags   u32[(P - 1) + P][max_tiles]: recv slots, then gather slots
+    recv    (P - 1) x slice_bytes: the contributions of the other ranks (two_shot's peers_in)
+    gather  P x slice_bytes: every owner's codes (two_shot's gather)
+    ll      2 parities x (P - 1) slots x LL_WORDS lines of 8 bytes {4 data bytes, epoch}
+
+A `PeerTable` (device array of pointers, per rank: recv, gather, flags, ll; then the other
+ranks' gather areas in ring order from this one) is what the kernels take. Regions grow collectively (a call whose layout does not fit makes a region twice as
+large on every rank, at the same call, since every rank runs the same sequence of calls);
+older regions stay mapped until `close`, so CUDA graphs that captured them stay valid.
+Growth synchronizes the device and exchanges handles over MPI: it cannot happen inside a
+CUDA-graph capture (warm the size up first).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+MAX_RANKS = 8
+CTL_BYTES = 256
+ALIGN = 256
+LL_MAX_BYTES = 1 << 20            # inputs up to this size take the low-latency one-shot
+LL_WORDS = LL_MAX_BYTES // 4
+LL_BLOCKS = 1024
+CHUNK = 256                       # threads (8 elements each) per chunk, as the kernels' blocks
+TILES = int(os.environ.get("ECHONCCL_FUSED_TILES") or 1024)   # tiles per slice, fused two-shot
+ONE_SHOT_TILE = 1024              # threads per tile of the (not low-latency) one-shot
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fused_tiles(slice_elems: int) -> int:
+    """Tiles T of a slice in the fused two-shot: tile j is its chunks j, j + T, ...
+    (``ECHONCCL_FUSED_TILES`` sets the most, default 1024)."""
+    return max(1, min(-(-(slice_elems // 8) // CHUNK), TILES))
+
+
+def one_shot_tiles(elems: int) -> int:
+    """Tiles of ``elems`` elements (a multiple of 8) in the tiled one-shot."""
+    return max(1, -(-(elems // 8) // ONE_SHOT_TILE))
+
+
+class Region:
+    """One generation of registered buffers: ``slice_bytes`` per wire slot, ``max_tiles`` flags
+    per slot. Collective (every rank of ``comm`` constructs it at the same point)."""
+
+    def __init__(self, comm, allgather, slice_bytes: int, max_tiles: int):
+        import cupy
+        from cupy.cuda import runtime
+
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        P = self.size
+        self.slice_bytes, self.max_tiles = int(slice_bytes), int(max_tiles)
+        self.epochs_off = CTL_BYTES
+        self.flags_off = self.epochs_off + _align(LL_BLOCKS * 4)
+        self.recv_off = self.flags_off + _align((2 * P - 1) * self.max_tiles * 4)
+        self.gather_off = self.recv_off + _align((P - 1) * self.slice_bytes)
+        self.ll_off = self.gather_off + _align(P * self.slice_bytes)
+        self.nbytes = self.ll_off + 2 * (P - 1) * LL_WORDS * 8
+        self.ptr = runtime.malloc(self.nbytes)
+        self._opened: list[int] = []
+        try:
+            runtime.memset(self.ptr, 0, self.nbytes)
+            runtime.deviceSynchronize()        # zero before any peer can write into it
+            handles = allgather(bytes(runtime.ipcGetMemHandle(self.ptr)))
+            bases = []
+            for s, h in enumerate(handles):
+                if s == self.rank:
+                    bases.append(self.ptr)
+                else:
+                    p = runtime.ipcOpenMemHandle(h)
+                    self._opened.append(p)
+                    bases.append(p)
+        except BaseException:
+            self.close()
+            raise
+        table = np.zeros(5 * MAX_RANKS, dtype=np.uint64)
+        for s, b in enumerate(bases):
+            table[s] = b + self.recv_off
+            table[MAX_RANKS + s] = b + self.gather_off
+            table[2 * MAX_RANKS + s] = b + self.flags_off
+            table[3 * MAX_RANKS + s] = b + self.ll_off
+        for k in range(P - 1):
+            table[4 * MAX_RANKS + k] = bases[(self.rank + 1 + k) % P] + self.gather_off
+        self.table = cupy.asarray(table)
+        self.ctl = self.ptr
+        self.epochs = self.ptr + self.epochs_off
+
+    def fits(self, slice_bytes: int, ntiles: int) -> bool:
+        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles
+
+    def error_flag(self) -> int:
+        """The kernels' error word (1 after a wait timed out). Synchronous device read."""
+        from cupy.cuda import runtime
+
+        host = np.zeros(4, dtype=np.uint32)
+        runtime.memcpy(host.ctypes.data, self.ctl, 16, runtime.memcpyDeviceToHost)
+        return int(host[3])
+
+    def close(self) -> None:
+        from cupy.cuda import runtime
+
+        for p in self._opened:
+            runtime.ipcCloseMemHandle(p)
+        self._opened = []
+        if self.ptr:
+            runtime.free(self.ptr)
+            self.ptr = 0
+
+
+class PeerMemory:
+    """The regions of one communicator: the newest serves calls that fit; a call that does not
+    fit (up to ``max_bytes`` per region) grows them collectively."""
+
+    def __init__(self, comm, allgather, max_bytes: int):
+        self.comm, self.allgather, self.max_bytes = comm, allgather, int(max_bytes)
+        self.regions: list[Region] = []
+
+    def region_for(self, slice_bytes: int, ntiles: int):
+        """The region serving a call of this size, growing if needed; None if it exceeds
+        ``max_bytes`` (that call takes the NCCL path)."""
+        cur = self.regions[-1] if self.regions else None
+        if cur is not None and cur.fits(slice_bytes, ntiles):
+            return cur
+        P = self.comm.Get_size()
+        sb = max(slice_bytes, 2 * cur.slice_bytes if cur else 1 << 20)
+        nt = max(ntiles, 2 * cur.max_tiles if cur else 64)
+        if (2 * P - 1) * sb > self.max_bytes:
+            sb = slice_bytes
+            if (2 * P - 1) * sb > self.max_bytes:
+                return None
+        self.regions.append(Region(self.comm, self.allgather, sb, nt))
+        return self.regions[-1]
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    def errors(self) -> bool:
+        return any(r.error_flag() for r in self.regions)
+
+    def close(self) -> None:
+        for r in self.regions:
+            r.close()
+        self.regions = []
