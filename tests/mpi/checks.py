@@ -259,6 +259,7 @@ def check_graph_replay():
         comm.all_reduce(x, out, feedback=graph_fb, algorithm=algo)
         eager_fb.reset()
         graph_fb.reset()
+        cupy.cuda.get_current_stream().synchronize()   # the graph runs on another stream: order it after these
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
@@ -323,11 +324,64 @@ def check_pipelined_matches_two_shot():
     assert chunked >= 6, f"only {chunked} cases were cut into chunks: the test would prove nothing"
     comm.close()
 
+def check_fused():
+    """The fused peer-memory kernels (the GPU engine's two_shot where GPUs map each other's
+    memory) against the NCCL send/recv path: outputs and both residuals bit for bit, with
+    rounds 1 and 2, every dtype and residual dtype, in place too; and the 16-bit one-shot
+    equals the float32 sum in rank order rounded once, bitwise, on every rank."""
+    import os
+
+    fused = echonccl.Communicator(engine="gpu")
+    assert fused.engine.fused is not None, f"no fused path here: {fused.engine.describe()}"
+    os.environ["ECHONCCL_FUSED"] = "0"
+    try:
+        plain = echonccl.Communicator(engine="gpu")
+    finally:
+        del os.environ["ECHONCCL_FUSED"]
+    assert plain.engine.fused is None
+    for dt in ("bfloat16", "float16", "float32"):
+        for rdt in ("float32", "input"):
+            for n in (1, 513, 3 * 8192 + 17, (1 << 20) + 3, 3 << 22):
+                fa, fb = fused.new_feedback(rdt), plain.new_feedback(rdt)
+                for t in range(3):
+                    x = rank_data(n, dt, seed=t)
+                    if t == 1 and n > 200:
+                        x[17] = np.nan if RANK == 0 else x[17]
+                        x[100] = np.inf if RANK == P - 1 else x[100]
+                    rounds = 2 if t == 2 else 1
+                    ya = to_host(fused.all_reduce(to_engine(x), feedback=fa, algorithm="two_shot", rounds=rounds))
+                    yb = to_host(plain.all_reduce(to_engine(x), feedback=fb, algorithm="two_shot", rounds=rounds))
+                    what = f"fused {dt} res={rdt} n={n} call={t}"
+                    assert same_bits(ya, yb), f"{what}: fused output differs from the NCCL path"
+                    assert_same_residuals(fa, fb, what)
+                    assert_identical_across_ranks(np.nan_to_num(ya.astype(np.float32)), what)
+                xi = to_engine(x)
+                fused.all_reduce(xi, xi, feedback=False, algorithm="two_shot")
+                yb = to_host(plain.all_reduce(to_engine(x), feedback=False, algorithm="two_shot"))
+                assert same_bits(to_host(xi), yb), f"fused {dt} n={n}: in place differs"
+    for dt in ("bfloat16", "float16", "float32"):
+        for n in (1, 5, 1000, 1 << 16, (1 << 20) + 5):
+            x = rank_data(n, dt, seed=3)
+            every = WORLD.allgather(x)
+            acc = np.full(n, -0.0, np.float32)
+            for xr in every:
+                acc = acc + xr.astype(np.float32)
+            expect = acc.astype(x.dtype)
+            y = to_host(fused.all_reduce(to_engine(x), algorithm="one_shot"))
+            assert y.tobytes() == expect.tobytes(), f"one_shot {dt} n={n}: differs from the float32 sum"
+            xi = to_engine(x)
+            fused.all_reduce(xi, xi, algorithm="one_shot")
+            assert to_host(xi).tobytes() == expect.tobytes(), f"one_shot {dt} n={n}: in place differs"
+    fused.synchronize()
+    fused.close()
+    plain.close()
+
+
 
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
            check_matches_reference, check_graph_replay, check_torch_interop,
-           check_pipelined_matches_two_shot, check_rounds)}
+           check_pipelined_matches_two_shot, check_rounds, check_fused)}
 
 if __name__ == "__main__":
     import faulthandler
