@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass, fields
 
 from . import codec
+from .schedules import SCHEDULES
 
-ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "auto")
+# The 4-bit schedules, the plain baseline, and auto (one of the two by size).
+ALGORITHMS = (*SCHEDULES, "nccl", "auto")
 ENGINES = ("cpu", "gpu", "auto")
 MAX_ROUNDS = 4
 
