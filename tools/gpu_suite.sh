@@ -20,15 +20,15 @@ PY=${PY:-python3}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 if [[ ${ECHONCCL_INSTALLED:-} == 1 ]]; then
   # from outside the checkout, so that its echonccl/ cannot shadow the installed one
-  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)') \
-    || { echo "gpu_suite: ECHONCCL_INSTALLED=1 but $PY cannot import an installed echonccl (pip install .)"; exit 2; }
+  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)' 2>&1) \
+    || { echo "gpu_suite: ECHONCCL_INSTALLED=1 but $PY cannot import an installed echonccl (pip install .): ${where##*$'\n'}"; exit 2; }
   case $where in "$root"/*) echo "gpu_suite: ECHONCCL_INSTALLED=1 but echonccl is this checkout's ($where)"; exit 2 ;; esac
   echo "gpu_suite: echonccl installed at $where"
 else
   # this checkout's echonccl, whether or not (or whatever) echonccl is installed
   export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)') \
-    || { echo "gpu_suite: $PY cannot import echonccl from $root (it needs numpy, ml_dtypes, mpi4py)"; exit 2; }
+  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)' 2>&1) \
+    || { echo "gpu_suite: $PY cannot import echonccl from $root (it needs numpy, ml_dtypes, mpi4py): ${where##*$'\n'}"; exit 2; }
   echo "gpu_suite: echonccl from this checkout: $where"
 fi
 LAUNCH="$PY $root/tools/launch.py -n 2"
