@@ -1,6 +1,7 @@
 """Shared test helpers: launching multi-rank programs (through tools/launch.py), GPU marks."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,13 +44,23 @@ def mpirun():
     return run_mpi
 
 
-def pytest_report_header(config):
-    """Which echonccl the tests run against; with ECHONCCL_INSTALLED=1 it must not be this checkout's."""
+def _echonccl_dir() -> tuple[Path, bool]:
+    """Where the imported echonccl is, and whether that is this checkout."""
     import echonccl
 
     where = Path(echonccl.__file__).resolve().parent
-    inside = where.is_relative_to(ROOT)
+    return where, where.is_relative_to(ROOT)
+
+
+def pytest_configure(config):
+    # NVLink multicast off in this process too, as in everything the launcher starts
+    os.environ["NCCL_NVLS_ENABLE"] = launch.FIXED["NCCL_NVLS_ENABLE"]
+    where, inside = _echonccl_dir()
     if launch.installed_mode() and inside:
         raise pytest.UsageError(f"ECHONCCL_INSTALLED=1 but echonccl is imported from the checkout ({where}): "
                                 f"run pytest from outside {ROOT} (tools/gpu_suite.sh does)")
-    return f"echonccl: {where} ({'checkout' if inside else 'installed'})"
+
+
+def pytest_report_header(config):
+    where, inside = _echonccl_dir()
+    return f"echonccl: {where} ({'this checkout' if inside else 'installed'})"
