@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import config as _config
 from . import dtypes
@@ -22,6 +23,22 @@ class Workspace:
     peers_out: object
     peers_in: object
     gather: object
+
+
+class CallSignature(NamedTuple):
+    """What every rank must agree on for one all-reduce (`Communicator._check_consistent`)."""
+
+    count: int
+    shape: tuple
+    dtype: str
+    algorithm: str
+    group: int
+    no_feedback: bool
+    rounds: int
+
+    def describe(self) -> str:
+        return (f"count={self.count} shape={self.shape} dtype={self.dtype} algorithm={self.algorithm} "
+                f"group={self.group} rounds={self.rounds}{' no feedback' if self.no_feedback else ''}")
 
 
 def _pick_engine(name: str, comm, cfg, device):
@@ -108,12 +125,13 @@ class Communicator:
             name = dtypes.canonical(xa.dtype)
             oa = self._output(x, xa, out)
             xf, of = eng.flat(xa), eng.flat(oa)
-            algo = self._algorithm(algorithm, xa)
+            algo = self.choose_algorithm(xa.nbytes, algorithm)
             self._check_feedback(feedback, xa.size, name)
             rounds = self._rounds(rounds, feedback, algo)
             # Every argument error above is local and raised before any communication.
-            self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
-                                    feedback is False, tuple(xa.shape), rounds))
+            self._check_consistent(CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name,
+                                                 algorithm=algo, group=self.config.group_size,
+                                                 no_feedback=feedback is False, rounds=rounds))
             if xa.size == 0:
                 pass
             elif self.size == 1:
@@ -200,7 +218,10 @@ class Communicator:
             raise ValueError("out overlaps x partly: pass out=x for in place, or separate memory")
         return oa
 
-    def _algorithm(self, algorithm, xa) -> str:
+    def choose_algorithm(self, nbytes: int, algorithm: str | None = None) -> str:
+        """The algorithm `all_reduce` runs for an input of ``nbytes`` bytes given ``algorithm``
+        (None: the communicator's): ``auto`` resolved to ``nccl`` below the crossover size, else
+        the engine's preferred schedule. `ValueError` for an unknown name. Local, no communication."""
         algo = algorithm or self.config.algorithm
         if algo not in _config.ALGORITHMS:
             raise ValueError(f"algorithm must be one of {_config.ALGORITHMS}, got {algo!r}")
@@ -209,19 +230,17 @@ class Communicator:
         cross = self.config.crossover_bytes
         if cross is None:
             cross = self.engine.crossover_bytes(self.size)
-        return self.engine.small_algorithm() if xa.nbytes < cross else self.engine.preferred_schedule(self.size)
+        return self.engine.small_algorithm() if nbytes < cross else self.engine.preferred_schedule(self.size)
 
-    def _check_consistent(self, key) -> None:
+    def _check_consistent(self, sig: CallSignature) -> None:
         """Once per distinct call signature: all ranks must agree on it (one small allgather)."""
-        if key in self._checked or self.size == 1:
+        if sig in self._checked or self.size == 1:
             return
-        keys = self.engine.allgather_object(key)
-        if any(k != keys[0] for k in keys):
-            detail = "; ".join(f"rank {r}: count={k[1]} shape={k[6]} dtype={k[2]} algorithm={k[3]} "
-                               f"group={k[4]} rounds={k[7]}{' no feedback' if k[5] else ''}"
-                               for r, k in enumerate(keys))
+        sigs = [CallSignature(*s) for s in self.engine.allgather_object(tuple(sig))]
+        if any(s != sigs[0] for s in sigs):
+            detail = "; ".join(f"rank {r}: {s.describe()}" for r, s in enumerate(sigs))
             raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
-        self._checked.add(key)
+        self._checked.add(sig)
 
     def _check_feedback(self, feedback, count: int, name: str) -> None:
         """Reject, before any communication, a ``feedback`` that is not a state or is bound elsewhere."""

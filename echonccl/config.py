@@ -24,8 +24,10 @@ import os
 from dataclasses import dataclass, fields
 
 from . import codec
+from .schedules import SCHEDULES
 
-ALGORITHMS = ("two_shot", "ring", "two_shot_pipelined", "nccl", "one_shot", "auto")
+# The 4-bit schedules, the plain baseline, the 16-bit peer-memory one-shot, and auto (by size).
+ALGORITHMS = (*SCHEDULES, "nccl", "one_shot", "auto")
 ENGINES = ("cpu", "gpu", "auto")
 MAX_ROUNDS = 4
 

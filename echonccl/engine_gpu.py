@@ -80,7 +80,7 @@ class GpuEngine:
         self.lib = nccl.load()
         uid = self.lib.get_unique_id() if rank == 0 else None
         uid = comm.bcast(uid, root=0)
-        self.nccl = nccl.NcclComm.init_rank(size, uid, rank, blocking=True, lib=self.lib)
+        self.nccl = nccl.NcclComm.init_rank(size, uid, rank, lib=self.lib)
         self.kernels = CudaKernels()
         self.kernels.preload()
         self.transport = NcclTransport(self.nccl, rank, size, _current_stream_ptr)
@@ -213,7 +213,7 @@ class GpuEngine:
         deadline = time.monotonic() + timeout
         while not stream.done:
             err = self.nccl.async_error()
-            if err not in (0, 7):  # ncclSuccess, ncclInProgress
+            if err not in (nccl.ncclSuccess, nccl.ncclInProgress):
                 self.nccl.abort()
                 self.lib.check(err, "asynchronous NCCL operation")
             if time.monotonic() > deadline:

@@ -5,7 +5,7 @@ the ``extern "C"`` entry points over one instantiation list). Loading, once per
 process (CuPy then keeps one module per device):
 
 1. ``$ECHONCCL_FATBIN`` if set (it must exist);
-2. else a prebuilt ``echo_kernels.fatbin`` (``tools/build_fatbin.sh``) in the
+2. else a prebuilt ``echo_kernels.fatbin`` (``make fatbin``: ``tools/cuda_build.py``) in the
    repository's ``cuda_src/`` or the installed package's ``echonccl/cuda_src/``,
    unless its ``.sha256`` fingerprint says it was built from other sources;
 3. else the source, compiled by NVRTC through ``cupy.RawModule(code=...)``.
@@ -17,19 +17,19 @@ Launches go on the current cupy stream, never synchronize and allocate
 nothing: every argument is a view the caller owns, passed to the kernel as a
 raw pointer (cupy arrays, None for a null pointer) or a Python int (int64).
 
-This module imports without cupy (``entry_points``, ``source_files`` and
-``compile_check`` only need the files and, for the latter, ``nvcc``).
+This module imports without cupy (``entry_points``, ``source_dir`` and
+``module_source`` only need the files). Build tooling (nvcc compile checks,
+the fatbin) is in ``tools/cuda_build.py``, outside the package; it compiles
+with this module's `NVCC_FLAGS`.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,8 +39,13 @@ BLOCK = 256                      # threads per block; matches ECHO_BLOCK / __lau
 ELEMS_PER_THREAD = 8
 SOURCE_NAMES = ("codec.cuh", "echo_kernels.cu")
 FATBIN_NAME = "echo_kernels.fatbin"
-NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
-NVCC_FLAGS = ("-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+MODULE_NAME = "echo_kernels.cu"
+# The one definition of the compile flags: exact IEEE arithmetic (no fmad contraction, no
+# flush-to-zero, correctly rounded division and square root), C++17. NVRTC spells -std with
+# two dashes; nvcc (tools/cuda_build.py: compile checks, fatbin) takes the same flags.
+_FLAGS = ("--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+NVRTC_OPTIONS = ("--std=c++17", *_FLAGS)
+NVCC_FLAGS = ("-std=c++17", *_FLAGS)
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 # Chunks of 8 outputs per thread and grid-stride step in dequantize, by output
@@ -52,7 +57,7 @@ _RQ_COMBOS = tuple((i, r, f) for i in ("f16", "bf16") for r in ("f32", i) for f 
 _DQ_TYPES = ("f16", "bf16", "f32")
 
 _PKG_DIR = Path(__file__).resolve().parent
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"codec\.cuh"[^\n]*$', re.M)
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
 # --------------------------------------------------------------------------- names
@@ -89,28 +94,34 @@ def source_dir() -> Path:
                             f"{[str(d) for d in source_dirs()]}")
 
 
-def source_files() -> list[Path]:
-    d = source_dir()
-    return [d / n for n in SOURCE_NAMES]
-
-
 def source_fingerprint(d: Path) -> str:
-    """sha256 over the sources, as ``tools/build_fatbin.sh`` writes it next to the fatbin."""
+    """sha256 over the sources, as ``tools/cuda_build.py`` writes it next to the fatbin."""
     h = hashlib.sha256()
     for n in SOURCE_NAMES:
         h.update((d / n).read_bytes())
     return h.hexdigest()
 
 
-def module_source(name: str = "echo_kernels.cu") -> str:
-    """The kernel file ``name`` of ``cuda_src`` with ``codec.cuh`` inlined (what NVRTC compiles,
-    so that CuPy's cache key covers the header too)."""
+def module_source(name: str = MODULE_NAME) -> str:
+    """The ``.cu`` file ``name`` of `source_dir` with each header it ``#include "..."``s from
+    that directory inlined once, in place (what NVRTC compiles: CuPy's on-disk cache key then
+    covers the headers too)."""
     d = source_dir()
-    header = (d / "codec.cuh").read_text()
-    body, n = _INCLUDE_RE.subn("", (d / name).read_text())
-    if n != 1:
-        raise RuntimeError(f'{name} must #include "codec.cuh" exactly once')
-    return header + "\n" + body
+    seen: set = set()
+
+    def inline(m):
+        header = m.group(1)
+        if not (d / header).is_file():
+            raise RuntimeError(f'{name}: #include "{header}" is not in {d}')
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _INCLUDE_RE.sub(inline, (d / header).read_text())
+
+    body = _INCLUDE_RE.sub(inline, (d / name).read_text())
+    if name == MODULE_NAME and "codec.cuh" not in seen:
+        raise RuntimeError(f'{MODULE_NAME} must #include "codec.cuh"')
+    return body
 
 
 def find_fatbin() -> Path | None:
@@ -131,10 +142,21 @@ def find_fatbin() -> Path | None:
                 import warnings
 
                 warnings.warn(f"{p} was built from other sources than those beside it: ignored "
-                              f"(rebuild with tools/build_fatbin.sh)", RuntimeWarning, stacklevel=3)
+                              f"(rebuild with make fatbin)", RuntimeWarning, stacklevel=3)
                 continue
         return p
     return None
+
+
+# ------------------------------------------------------------------------ geometry
+class Geometry(NamedTuple):
+    """Sizes and grid sizes of one layout on one device (`CudaKernels._geom`)."""
+
+    slice_elems: int          # S
+    group: int                # G
+    slice_bytes: int          # B
+    rq_blocks: int            # reduce_quantize grid
+    dq_blocks: dict           # dequantize grid, by unroll factor
 
 
 # -------------------------------------------------------------------------- module
@@ -188,21 +210,14 @@ class CudaKernels:
     unroll), dq_blocks_per_sm * SMs)``. Both defaults were measured best on H200.
     """
 
-    source_files = staticmethod(source_files)
-    entry_points = staticmethod(entry_points)
-
     def __init__(self, blocks_per_sm: int = 8, dq_blocks_per_sm: int = 16, check: bool = True):
         self.blocks_per_sm = int(blocks_per_sm)
         self.dq_blocks_per_sm = int(dq_blocks_per_sm)
         self.check = check
         self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G) -> RawKernel
         self._dq: dict = {}       # (out dtype, G, accumulate) -> (RawKernel, unroll)
-        self._geoms: dict = {}    # (layout, device) -> (layout, S, G, B, rq blocks, {unroll: dq blocks})
+        self._geoms: dict = {}    # (layout, device) -> Geometry
         self._sms: dict = {}      # device -> multiprocessor count
-
-    @staticmethod
-    def compile_check(**kw) -> dict:
-        return compile_check(**kw)
 
     @property
     def origin(self) -> str | None:
@@ -215,7 +230,7 @@ class CudaKernels:
             _MODULE.kernel(name)
 
     # -- launch geometry ------------------------------------------------------
-    def _geom(self, layout):
+    def _geom(self, layout) -> Geometry:
         """Per (layout, device): sizes and grid sizes, computed once (layouts are frozen
         dataclasses, so equal layouts share an entry)."""
         import cupy
@@ -235,7 +250,7 @@ class CudaKernels:
             return max(1, min(-(-n // BLOCK), sms * per_sm))
 
         dq = {u: blocks(threads // u, self.dq_blocks_per_sm) for u in set(_DQ_UNROLL.values())}
-        g = (layout, S, G, B, blocks(threads, self.blocks_per_sm), dq)
+        g = Geometry(S, G, B, blocks(threads, self.blocks_per_sm), dq)
         if len(self._geoms) >= 256:
             self._geoms.clear()
         self._geoms[key] = g
@@ -266,7 +281,8 @@ class CudaKernels:
 
     # -- the interface -----------------------------------------------------------
     def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None) -> None:
-        _, S, G, B, blocks, _ = self._geom(layout)
+        geo = self._geom(layout)
+        S, G, B = geo.slice_elems, geo.group, geo.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
         key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, G)
         kern = self._rq.get(key) or self._rq_kernel(key)
@@ -284,15 +300,16 @@ class CudaKernels:
                 raise ValueError(f"residual must be a contiguous 1-D view of {S} elements")
             if wire_out.size < B or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
-        kern((blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S,
+        kern((geo.rq_blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S,
                                    base, 0 if base is None else base.size))
 
     def dequantize(self, layout, wire, out, accumulate: bool = False) -> None:
         count = out.size
         if count == 0:
             return
-        _, S, G, B, _, dq_blocks = self._geom(layout)
-        key = (out.dtype, G, bool(accumulate))
+        geo = self._geom(layout)
+        S, B = geo.slice_elems, geo.slice_bytes
+        key = (out.dtype, geo.group, bool(accumulate))
         kern, unroll = self._dq.get(key) or self._dq_kernel(key)
         n = -(-count // S)
         if self.check:
@@ -300,63 +317,4 @@ class CudaKernels:
                 raise ValueError(f"{count} outputs need {n} slices of {B} bytes in a 4-byte aligned wire")
             if count > 1 and out.strides[0] != out.itemsize:
                 raise ValueError("out must be a contiguous 1-D view")
-        kern((dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S))
-
-
-# ------------------------------------------------------------------- compile check
-_PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
-_PTXAS_REGS = re.compile(r"Used (\d+) registers")
-_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def compile_check(nvcc: str | None = None, arch: str = "sm_90", outdir: str | os.PathLike | None = None,
-                  fatbin: bool = False) -> dict:
-    """Compile ``cuda_src`` with nvcc (no GPU needed) and check the entry points.
-
-    Runs ``nvcc -ptx`` and ``nvcc -c -Xptxas -v`` for ``arch`` (and, with
-    ``fatbin=True``, ``tools/build_fatbin.sh``) in ``outdir`` (a temporary
-    directory by default). Returns ``{"entries": [...], "registers": {name: n},
-    "spills": {name: bytes}, "ptx": path, "fatbin": path or None}``; raises
-    `RuntimeError` on a compile error or when the PTX entries differ from
-    `entry_points()`.
-    """
-    nvcc = nvcc or shutil.which("nvcc")
-    if not nvcc:
-        raise FileNotFoundError("nvcc not found")
-    d = source_dir()
-    cu = d / "echo_kernels.cu"
-    tmp = None
-    if outdir is None:
-        tmp = tempfile.mkdtemp(prefix="echonccl-cc-")
-        outdir = tmp
-    out = Path(outdir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def run(cmd, **kw):
-        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-        return r.stdout + r.stderr
-
-    ptx = out / "echo_kernels.ptx"
-    run([nvcc, f"-arch={arch}", "-ptx", *NVCC_FLAGS, "-o", ptx, cu])
-    entries = re.findall(r"^\s*\.(?:visible\s+)?\.entry\s+(\w+)", ptx.read_text(), re.M)
-    log = run([nvcc, f"-arch={arch}", "-c", *NVCC_FLAGS, "-Xptxas", "-v", "-o", out / "echo_kernels.o", cu])
-    regs, spills, cur = {}, {}, None
-    for line in log.splitlines():
-        if m := _PTXAS_FUNC.search(line):
-            cur = m.group(1)
-        elif cur and (m := _PTXAS_SPILL.search(line)):
-            spills[cur] = int(m.group(1)) + int(m.group(2))
-        elif cur and (m := _PTXAS_REGS.search(line)):
-            regs[cur] = int(m.group(1))
-    fb = None
-    if fatbin:
-        fb = out / FATBIN_NAME
-        run(["bash", d.parent / "tools" / "build_fatbin.sh", fb], env={**os.environ, "NVCC": str(nvcc)})
-    expected = set(entry_points())
-    if set(entries) != expected or len(entries) != len(expected):
-        raise RuntimeError(f"PTX entries differ from entry_points(): missing "
-                           f"{sorted(expected - set(entries))}, extra {sorted(set(entries) - expected)}")
-    return {"entries": entries, "registers": regs, "spills": spills, "ptx": str(ptx),
-            "fatbin": None if fb is None else str(fb), "log": log}
+        kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S))

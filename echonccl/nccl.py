@@ -15,16 +15,14 @@ calls only enqueue work on the stream: nothing here synchronizes it. Every
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import importlib.metadata
 import importlib.util
 import os
-import time
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_void_p
 
-from .errors import EchoncclError, PeerTimeoutError
+from .errors import EchoncclError
 
 MIN_VERSION = (2, 19, 0)
 ENV_LIBRARY = "ECHONCCL_NCCL_LIBRARY"
@@ -118,7 +116,6 @@ SIGNATURES = (
     ("ncclCommInitRank", ncclResult_t, [POINTER(ncclComm_t), c_int, ncclUniqueId, c_int]),
     ("ncclCommInitRankConfig", ncclResult_t,
      [POINTER(ncclComm_t), c_int, ncclUniqueId, c_int, POINTER(ncclConfig_t)]),
-    ("ncclCommFinalize", ncclResult_t, [ncclComm_t]),
     ("ncclCommDestroy", ncclResult_t, [ncclComm_t]),
     ("ncclCommAbort", ncclResult_t, [ncclComm_t]),
     ("ncclCommGetAsyncError", ncclResult_t, [ncclComm_t, POINTER(ncclResult_t)]),
@@ -132,8 +129,6 @@ SIGNATURES = (
      [c_void_p, c_void_p, c_size_t, c_int, c_int, ncclComm_t, cudaStream_t]),
     ("ncclCommCount", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
     ("ncclCommUserRank", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
-    ("ncclCommRegister", ncclResult_t, [ncclComm_t, c_void_p, c_size_t, POINTER(c_void_p)]),
-    ("ncclCommDeregister", ncclResult_t, [ncclComm_t, c_void_p]),
 )
 _SIGNATURES = {name: (res, args) for name, res, args in SIGNATURES}
 
@@ -250,18 +245,17 @@ class NcclLibrary:
             self._fns[name] = f
         return f
 
-    def check(self, code: int, call: str, comm=None, in_progress_ok: bool = False) -> int:
-        """Return ``code`` if it is ncclSuccess (or ncclInProgress when ``in_progress_ok``),
-        else raise `NcclError` naming ``call``."""
-        if code == ncclSuccess or (in_progress_ok and code == ncclInProgress):
+    def check(self, code: int, call: str, comm=None) -> int:
+        """Return ``code`` if it is ncclSuccess, else raise `NcclError` naming ``call``."""
+        if code == ncclSuccess:
             return code
         text = self.error_string(code)
         last = self.last_error(comm)
         raise NcclError(code, result_name(code), f"{call} failed: {text}" + (f"; {last}" if last else ""))
 
-    def call(self, name: str, *args, comm=None, in_progress_ok: bool = False) -> int:
+    def call(self, name: str, *args, comm=None) -> int:
         """Call ``name`` (returning ncclResult_t) and `check` its result."""
-        return self.check(self.fn(name)(*args), name, comm, in_progress_ok)
+        return self.check(self.fn(name)(*args), name, comm)
 
     def error_string(self, code: int) -> str:
         return (self.fn("ncclGetErrorString")(code) or b"").decode(errors="replace")
@@ -302,28 +296,19 @@ def load(path: str | None = None) -> NcclLibrary:
     return lib
 
 
-def version() -> tuple:
-    return load().version()
-
-
-def get_unique_id() -> bytes:
-    return load().get_unique_id()
-
-
 # -- communicator --------------------------------------------------------------------------------
 class NcclComm:
-    """An ``ncclComm_t`` of ``count`` ranks, this one ``user_rank``.
+    """A blocking ``ncclComm_t`` of ``count`` ranks, this one ``user_rank``.
 
     Owns the NCCL communicator (not the CUDA device, streams or buffers). Call
     `destroy` (or `abort` after an error) on every rank; there is no cleanup in
-    ``__del__``. A nonblocking communicator (``blocking=False``) lets calls return
-    ncclInProgress; `wait` polls until NCCL finished them.
+    ``__del__``. Calls only enqueue work on a stream; a peer that stops answering
+    shows in `async_error` (the engine polls it and calls `abort`).
     """
 
-    def __init__(self, lib: NcclLibrary, handle: c_void_p, blocking: bool):
-        self.lib, self._handle, self.blocking = lib, handle, blocking
+    def __init__(self, lib: NcclLibrary, handle: c_void_p):
+        self.lib, self._handle = lib, handle
         self._aborted = False
-        self._ip = not blocking
         f = lib.fn
         self._send, self._recv = f("ncclSend"), f("ncclRecv")
         self._allreduce = f("ncclAllReduce")
@@ -332,39 +317,28 @@ class NcclComm:
         self.user_rank = self._query("ncclCommUserRank")
 
     @classmethod
-    def init_rank(cls, nranks: int, unique_id, rank: int, blocking: bool = True, *,
-                  lib: NcclLibrary | None = None, timeout: float | None = None) -> "NcclComm":
+    def init_rank(cls, nranks: int, unique_id, rank: int, *, lib: NcclLibrary | None = None) -> "NcclComm":
         """ncclCommInitRankConfig: collective over ``nranks`` processes sharing ``unique_id``
-        (bytes or `ncclUniqueId`). The caller has already set this process's CUDA device.
-        Nonblocking: waits for the init, raising `PeerTimeoutError` (after abort) past ``timeout`` s.
-        """
+        (bytes or `ncclUniqueId`). The caller has already set this process's CUDA device."""
         lib = lib or load()
         uid = unique_id if isinstance(unique_id, ncclUniqueId) else ncclUniqueId.from_bytes(bytes(unique_id))
-        cfg = ncclConfig_t.initializer(blocking)
+        cfg = ncclConfig_t.initializer(blocking=True)
         handle = c_void_p()
-        lib.call("ncclCommInitRankConfig", ctypes.byref(handle), int(nranks), uid, int(rank),
-                 ctypes.byref(cfg), in_progress_ok=not blocking)
-        if not blocking:
-            try:
-                _wait_handle(lib, handle, timeout, f"rank {rank}: ncclCommInitRankConfig of {nranks} ranks")
-            except BaseException:
-                with contextlib.suppress(NcclError):
-                    lib.fn("ncclCommAbort")(handle)
-                raise
-        return cls(lib, handle, blocking)
+        lib.call("ncclCommInitRankConfig", ctypes.byref(handle), int(nranks), uid, int(rank), ctypes.byref(cfg))
+        return cls(lib, handle)
 
     # -- operations (enqueued on ``stream_ptr``) ---------------------------------------------------
     def send(self, ptr: int, nbytes: int, peer: int, stream_ptr: int) -> None:
         """Send ``nbytes`` bytes at device address ``ptr`` to ``peer``."""
         code = self._send(ptr, nbytes, ncclUint8, peer, self._handle or self._live(), stream_ptr)
         if code:
-            self.lib.check(code, "ncclSend", self._handle, self._ip)
+            self.lib.check(code, "ncclSend", self._handle)
 
     def recv(self, ptr: int, nbytes: int, peer: int, stream_ptr: int) -> None:
         """Receive ``nbytes`` bytes from ``peer`` into device address ``ptr``."""
         code = self._recv(ptr, nbytes, ncclUint8, peer, self._handle or self._live(), stream_ptr)
         if code:
-            self.lib.check(code, "ncclRecv", self._handle, self._ip)
+            self.lib.check(code, "ncclRecv", self._handle)
 
     def all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype_name: str,
                    stream_ptr: int) -> None:
@@ -375,29 +349,17 @@ class NcclComm:
         except KeyError:
             raise ValueError(f"NCCL has no dtype {dtype_name!r}; one of {sorted(DTYPES)}") from None
         self.lib.check(self._allreduce(send_ptr, recv_ptr, count, dt, ncclSum, self._live(), stream_ptr),
-                       "ncclAllReduce", self._handle, self._ip)
+                       "ncclAllReduce", self._handle)
 
     def group_start(self) -> None:
         code = self._gstart()
         if code:
-            self.lib.check(code, "ncclGroupStart", None, self._ip)
+            self.lib.check(code, "ncclGroupStart", None)
 
     def group_end(self) -> None:
         code = self._gend()
         if code:
-            self.lib.check(code, "ncclGroupEnd", self._handle, self._ip)
-
-    @contextlib.contextmanager
-    def group(self):
-        """ncclGroupStart ... ncclGroupEnd; the group is ended even when the body raises."""
-        self.group_start()
-        try:
-            yield self
-        except BaseException:
-            with contextlib.suppress(NcclError):
-                self.group_end()
-            raise
-        self.group_end()
+            self.lib.check(code, "ncclGroupEnd", self._handle)
 
     # -- state and lifecycle ------------------------------------------------------------------------
     def async_error(self) -> int:
@@ -406,40 +368,17 @@ class NcclComm:
         self.lib.call("ncclCommGetAsyncError", self._live(), ctypes.byref(res))
         return res.value
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Poll until a nonblocking call finished; raise its error or `PeerTimeoutError`."""
-        try:
-            _wait_handle(self.lib, self._live(), timeout, f"rank {self.user_rank}: NCCL operation")
-        except PeerTimeoutError:
-            self.abort()
-            raise
-
-    def register(self, ptr: int, nbytes: int) -> int:
-        """ncclCommRegister a device buffer; returns the handle for `deregister`."""
-        h = c_void_p()
-        self.lib.call("ncclCommRegister", self._live(), ptr, nbytes, ctypes.byref(h), comm=self._handle)
-        return h.value
-
-    def deregister(self, handle: int) -> None:
-        self.lib.call("ncclCommDeregister", self._live(), handle, comm=self._handle)
-
-    def finalize(self) -> None:
-        """ncclCommFinalize: flush outstanding work (collective); `destroy` still frees."""
-        self.lib.call("ncclCommFinalize", self._live(), comm=self._handle, in_progress_ok=self._ip)
-        if self._ip:
-            self.wait()
-
     def abort(self) -> None:
         """ncclCommAbort: stop outstanding work and free the communicator (not collective)."""
         if self._handle is not None:
             handle, self._handle, self._aborted = self._handle, None, True
-            self.lib.call("ncclCommAbort", handle, in_progress_ok=self._ip)
+            self.lib.call("ncclCommAbort", handle)
 
     def destroy(self) -> None:
         """ncclCommDestroy; idempotent, and skipped after `abort`."""
         if self._handle is not None:
             handle, self._handle = self._handle, None
-            self.lib.call("ncclCommDestroy", handle, in_progress_ok=self._ip)
+            self.lib.call("ncclCommDestroy", handle)
 
     @property
     def closed(self) -> bool:
@@ -456,18 +395,4 @@ class NcclComm:
         return v.value
 
     def __repr__(self) -> str:
-        state = "closed" if self._handle is None else f"rank {self.user_rank}/{self.count}"
-        return f"NcclComm({state}, {'blocking' if self.blocking else 'nonblocking'})"
-
-
-def _wait_handle(lib: NcclLibrary, handle, timeout: float | None, what: str) -> None:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    res, get = c_int(), lib.fn("ncclCommGetAsyncError")
-    while True:
-        lib.check(get(handle, ctypes.byref(res)), "ncclCommGetAsyncError", handle)
-        if res.value != ncclInProgress:
-            lib.check(res.value, what, handle)
-            return
-        if deadline is not None and time.monotonic() > deadline:
-            raise PeerTimeoutError(f"{what} did not complete within {timeout:g} s (a peer died or hangs)")
-        time.sleep(1e-4)
+        return f"NcclComm({'closed' if self._handle is None else f'rank {self.user_rank}/{self.count}'})"

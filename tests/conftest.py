@@ -1,41 +1,27 @@
-"""Shared test helpers: launching multi-rank programs under mpiexec."""
+"""Shared test helpers: launching multi-rank programs (through tools/launch.py), GPU marks."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+import launch
+from launch import ROOT  # noqa: F401  (re-exported for the tests)
 
 
-def find_mpiexec() -> str | None:
-    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
-
-
-def mpi_env() -> dict:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", NCCL_NVLS_ENABLE="0",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
-def run_mpi(n: int, args: list[str], timeout: float = 300, launcher_args=()) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n python -m mpi4py args...`` from the repo root; fail the test on a timeout."""
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
+def run_mpi(n: int, args: list[str], timeout: float = 300, launcher_args=(), *, extra_env=None,
+            clean: bool = False, abort_on_error: bool = True, cwd=ROOT) -> subprocess.CompletedProcess:
+    """`launch.run` for a test: ``mpiexec -n n python -m mpi4py args...`` from ``cwd`` (the repo
+    root); skipped without an mpiexec, failed (with its output) when it runs past ``timeout``."""
+    if launch.find_mpiexec() is None:
         pytest.skip("no mpiexec (install the mpich wheel: make test does)")
-    # python -m mpi4py: an exception on one rank aborts the whole job instead of hanging the others
-    cmd = [mpiexec, *launcher_args, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+        return launch.run(n, args, extra_env=extra_env, clean=clean, launcher_args=launcher_args,
+                          abort_on_error=abort_on_error, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s\n{exc.stdout}\n{exc.stderr}")
+        pytest.fail(f"{' '.join(map(str, exc.cmd))} hung for {timeout} s\n{exc.stdout}\n{exc.stderr}")
 
 
 def visible_gpus() -> int:
@@ -56,3 +42,25 @@ def needs_gpus(n: int):
 @pytest.fixture
 def mpirun():
     return run_mpi
+
+
+def _echonccl_dir() -> tuple[Path, bool]:
+    """Where the imported echonccl is, and whether that is this checkout."""
+    import echonccl
+
+    where = Path(echonccl.__file__).resolve().parent
+    return where, where.is_relative_to(ROOT)
+
+
+def pytest_configure(config):
+    # NVLink multicast off in this process too, as in everything the launcher starts
+    os.environ["NCCL_NVLS_ENABLE"] = launch.FIXED["NCCL_NVLS_ENABLE"]
+    where, inside = _echonccl_dir()
+    if launch.installed_mode() and inside:
+        raise pytest.UsageError(f"ECHONCCL_INSTALLED=1 but echonccl is imported from the checkout ({where}): "
+                                f"run pytest from outside {ROOT} (tools/gpu_suite.sh does)")
+
+
+def pytest_report_header(config):
+    where, inside = _echonccl_dir()
+    return f"echonccl: {where} ({'this checkout' if inside else 'installed'})"

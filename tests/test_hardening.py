@@ -15,11 +15,8 @@ SIGSTOP, as a hung process or a stalled node would) covers the silent peer inste
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
-import subprocess
-import sys
 import time
 
 import ml_dtypes
@@ -31,41 +28,32 @@ import echonccl
 from echonccl import EchoncclError, MismatchError, PeerTimeoutError
 from echonccl.transport_mpi import MpiTransport, wait_all
 
-from conftest import ROOT, find_mpiexec, mpi_env, run_mpi
+import launch
+from conftest import run_mpi
 
 SURVIVOR_EXIT = 42
 
 
 # -- launching ----------------------------------------------------------------------------------
-def launcher_keeps_survivors(mpiexec: str) -> list[str] | None:
+def launcher_keeps_survivors() -> list[str] | None:
     """mpiexec options under which a rank may exit early without the launcher killing the
     others; None when this launcher has none we know of."""
-    try:
-        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return ["-disable-auto-cleanup"] if "HYDRA" in text else None
+    mpiexec = launch.find_mpiexec()
+    return ["-disable-auto-cleanup"] if mpiexec and launch.flavor(mpiexec) == "hydra" else None
 
 
 def run_fault(n: int, check: str, engine: str, timeout_env: str | None = None, wall_limit: float = 120):
-    """Launch a fault check; return (CompletedProcess, wall seconds)."""
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
+    """Launch a fault check (without ``-m mpi4py``: its ranks die on purpose); return
+    (CompletedProcess, wall seconds)."""
+    if launch.find_mpiexec() is None:
         pytest.skip("no mpiexec")
-    extra = launcher_keeps_survivors(mpiexec)
+    extra = launcher_keeps_survivors()
     if extra is None and check != "peer_hang":
-        pytest.skip(f"{mpiexec} is not MPICH's hydra: no known option keeps the survivors of an exit alive")
-    env = mpi_env()
-    env.pop("ECHONCCL_TIMEOUT", None)
-    if timeout_env is not None:
-        env["ECHONCCL_TIMEOUT"] = timeout_env
-    cmd = [mpiexec, *(extra or []), "-n", str(n), sys.executable, "tests/mpi/hardening.py", check, engine]
+        pytest.skip(f"{launch.find_mpiexec()} is not MPICH's hydra: no known option keeps the survivors "
+                    f"of an exit alive")
     t0 = time.monotonic()
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=wall_limit)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} hung for {wall_limit} s: the survivors did not time out\n"
-                    f"{exc.stdout}\n{exc.stderr}")
+    res = run_mpi(n, ["tests/mpi/hardening.py", check, engine], timeout=wall_limit, launcher_args=extra or (),
+                  extra_env={"ECHONCCL_TIMEOUT": timeout_env}, abort_on_error=False)
     return res, time.monotonic() - t0
 
 
@@ -88,23 +76,10 @@ def assert_survivors_timed_out(res, wall: float, n: int, check: str, engine: str
 
 def run_check(n: int, check: str, engine: str = "cpu", env_extra: dict | None = None, timeout: float = 300):
     """Launch a check with ECHONCCL_TIMEOUT unset (the checks time themselves) plus ``env_extra``."""
-    changes = {"ECHONCCL_TIMEOUT": None, **(env_extra or {})}
-    old = {k: os.environ.get(k) for k in changes}
-    for k, v in changes.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        # these checks end without MPI_Finalize: keep hydra from killing ranks still writing
-        extra = (launcher_keeps_survivors(find_mpiexec()) or []) if check in UNFINALIZED else []
-        return run_mpi(n, ["tests/mpi/hardening.py", check, engine], timeout=timeout, launcher_args=extra)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # these checks end without MPI_Finalize: keep hydra from killing ranks still writing
+    extra = (launcher_keeps_survivors() or []) if check in UNFINALIZED else []
+    return run_mpi(n, ["tests/mpi/hardening.py", check, engine], timeout=timeout, launcher_args=extra,
+                   extra_env={"ECHONCCL_TIMEOUT": None, **(env_extra or {})})
 
 
 UNFINALIZED = ("local_error", "out_of_step")

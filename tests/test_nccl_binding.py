@@ -60,7 +60,6 @@ def test_version_matches_the_wheel_and_header(monkeypatch):
     real = os.path.basename(os.path.realpath(lib.path))  # libnccl.so.2 or libnccl.so.2.28.3
     parts = [int(x) for x in re.fullmatch(r"libnccl\.so\.([\d.]+)", real).group(1).split(".")]
     assert tuple(parts) == v[:len(parts)]
-    assert nccl.version() >= nccl.MIN_VERSION
 
 
 def test_loaded_path_is_resolved(lib):
@@ -84,7 +83,7 @@ def test_old_version_is_refused(monkeypatch, lib):
 
 
 def test_unique_id(lib):
-    a, b = nccl.get_unique_id(), lib.get_unique_id()
+    a, b = lib.get_unique_id(), lib.get_unique_id()
     assert isinstance(a, bytes) and len(a) == 128 == ctypes.sizeof(nccl.ncclUniqueId)
     assert a != b
     assert bytes(nccl.ncclUniqueId.from_bytes(a)) == a
@@ -102,7 +101,8 @@ def test_error_strings_and_names(lib):
 
 def test_check_raises_formatted_error(lib):
     assert lib.check(0, "ncclX") == 0
-    assert lib.check(7, "ncclX", in_progress_ok=True) == 7
+    with pytest.raises(nccl.NcclError, match="ncclInProgress"):
+        lib.check(nccl.ncclInProgress, "ncclX")         # only the engine's poll may see it, by name
     with pytest.raises(nccl.NcclError) as info:
         lib.check(4, "ncclAllReduce")
     err = info.value

@@ -13,7 +13,6 @@ import io
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import launch
+from conftest import run_mpi
 from echonccl import dtypes
 from echonccl.perf import all_reduce, arrays, bench, check, options, report, table
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 SMOKE_ARGS = ["--engine", "cpu", "-b", "1K", "-e", "64K", "-f", "4", "-n", "3", "-w", "1",
               "--algo", "both", "-J", "tmp.json", "--csv", "tmp.csv", "--plot", "tmp.png"]
@@ -35,28 +35,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
-def _env() -> dict:
-    """The launch environment: Open MPI may run as root and oversubscribe (harmless for MPICH);
-    no ECHONCCL_* override leaks in; this checkout is importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ECHONCCL_")}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _launch(n: int, args, cwd, script=None) -> subprocess.CompletedProcess:
-    exe = _mpiexec()
-    if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH")
+    """The tool on ``n`` ranks from ``cwd``, no ECHONCCL_* override leaking in; its own exit
+    status (no ``-m mpi4py`` abort)."""
     target = [str(script)] if script else ["-m", "echonccl.perf.all_reduce"]
-    return subprocess.run([exe, "-n", str(n), sys.executable, *target, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return run_mpi(n, [*target, *args], timeout=TIMEOUT, clean=True, abort_on_error=False, cwd=cwd)
 
 
 def _data_lines(stdout: str) -> list:
@@ -97,7 +80,7 @@ def test_smoke_cpu(tmp_path, nranks):
 def _check_report(tmp_path: Path, nranks: int) -> None:
     """python -m echonccl.perf.report on the smoke run's JSON: one markdown row per size, the plot."""
     proc = subprocess.run([sys.executable, "-m", "echonccl.perf.report", "tmp.json", "--markdown",
-                           "--plot", "again.png"], cwd=tmp_path, env=_env(), capture_output=True,
+                           "--plot", "again.png"], cwd=tmp_path, env=launch.environment(clean=True), capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

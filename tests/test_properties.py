@@ -29,6 +29,7 @@ from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
 from echonccl.schedules import SCHEDULES, run_rounds
 
+import support
 from conftest import run_mpi
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -160,17 +161,11 @@ def canonical(y) -> bytes:
 
 
 def bound(xs, algo, group, dtype):
+    """(exact sum of the finite inputs, `support.error_bound`) over the simulated ranks ``xs``."""
     x64 = np.stack([x.astype(np.float64) for x in xs])
-    x64 = np.where(np.isfinite(x64), x64, 0)
-    P, n = x64.shape
-    exact = x64.sum(axis=0)
-    pad = -(-n // group) * group
-    a = np.zeros((P, pad))
-    a[:, :n] = np.abs(x64)
-    amax_sum = np.repeat(a.reshape(P, -1, group).max(axis=2).sum(axis=0), group)[:n]
-    hops = 2 if algo == "two_shot" else P
-    tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
-    return exact, hops * (1 + 1 / 7) ** P * amax_sum / 14 + np.abs(exact) * 2.0 ** -7 + 8 * (P + 1) * (SUB + tiny)
+    exact = np.where(np.isfinite(x64), x64, 0).sum(axis=0)
+    amax_sum = sum(support.group_amax(x, group) for x in x64)
+    return exact, support.error_bound(exact, amax_sum, algo, len(xs), dtype)
 
 
 case = st.fixed_dictionaries({

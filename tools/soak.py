@@ -2,8 +2,8 @@
 """Soak test: thousands of all-reduces of random sizes, dtypes, algorithms and feedback modes,
 every result checked, memory watched.
 
-    mpiexec -n 4 python tools/soak.py --engine cpu --calls 2000 --max-bytes 64M --seconds 600
-    mpirun -np 8 python tools/soak.py --engine gpu --calls 20000 --max-bytes 256M --seed 7
+    python tools/launch.py -n 4 tools/soak.py --engine cpu --calls 2000 --max-bytes 64M --seconds 600
+    python tools/launch.py -n 8 tools/soak.py --engine gpu --calls 20000 --max-bytes 256M --seed 7
 
 Every rank draws the same calls from ``--seed``: a size (log-uniform from one element to
 ``--max-bytes``, from a pool of ``--distinct-sizes`` sizes as a real model has, or a fresh one
@@ -43,8 +43,12 @@ from collections import OrderedDict
 
 import numpy as np
 
+import support  # tools/, beside this script
+from echonccl.config import ALGORITHMS
+
 EDGE_COUNTS = (1, 2, 31, 32, 33, 511, 512, 513, 1023, 1025)
-ALGOS = ("two_shot", "ring", "nccl", "auto")
+# Every algorithm but the experimental two_shot_pipelined (which --algos may still name).
+ALGOS = tuple(a for a in ALGORITHMS if a != "two_shot_pipelined")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_STREAMS = 8
 MAX_PRINTED_ERRORS = 20
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the error of calls up to this input size against float64 (default 4M)")
     p.add_argument("--distinct-sizes", type=int, default=16,
                    help="draw sizes from a pool of this many (0: a fresh size every call)")
-    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of " + ",".join(ALGOS))
+    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of " + ",".join(ALGORITHMS))
     p.add_argument("--timeout", type=float, default=120, help="echonccl timeout in seconds (default 120)")
     p.add_argument("--progress", type=int, default=0, help="print a line every N calls (rank 0)")
     return p
@@ -175,8 +179,8 @@ def main(argv=None) -> int:
     if args.calls < 0 or args.distinct_sizes < 0:
         build_parser().error("--calls and --distinct-sizes must be >= 0")
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    if not algos or any(a not in ALGOS for a in algos):
-        build_parser().error(f"--algos must be a subset of {','.join(ALGOS)}, got {args.algos!r}")
+    if not algos or any(a not in ALGORITHMS for a in algos):
+        build_parser().error(f"--algos must be a subset of {','.join(ALGORITHMS)}, got {args.algos!r}")
     from mpi4py import MPI
 
     import echonccl
@@ -319,25 +323,14 @@ def _residual_total(fb, world, count: int):
     return total[0, :count], total[1, :count]
 
 
-def _effective_algo(algo: str, nbytes: int, comm) -> str:
-    if algo != "auto":
-        return algo
-    cross = comm.config.crossover_bytes
-    cross = comm.engine.crossover_bytes(comm.size) if cross is None else cross
-    return "nccl" if nbytes < cross else comm.engine.preferred_schedule(comm.size)
-
-
 def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine) -> str | None:
     """None if the output ``y32`` (float32, flat) is right for ``x`` summed over ranks."""
     n = c["count"]
     x64 = x.reshape(-1).astype(np.float64)
     finite = np.isfinite(x64)
-    exact = world.allreduce(np.where(finite, x64, 0.0))
-    ngroups = -(-n // G)
-    pad = np.zeros(ngroups * G)
-    pad[:n] = np.abs(np.where(finite, x64, 0.0))
-    amax_sum = np.repeat(world.allreduce(pad.reshape(-1, G).max(axis=1)), G)[:n]
-    algo = _effective_algo(c["algo"], x.nbytes, comm)
+    exact = support.exact_sum(np.where(finite, x64, 0.0), world)
+    amax_sum = support.amax_sum(x64, G, world)
+    algo = comm.choose_algorithm(x.nbytes, c["algo"])
     ok = np.ones(n, bool)
     if bad_elem is not None:
         y = y32.astype(np.float64)
@@ -364,15 +357,13 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
             if c["dtype"] == "float16":          # ... where small residuals are float16 subnormals
                 slack += 2.0 ** -25 * (P + 1) * 2 * c["rounds"]
             if c["rounds"] > 1:                  # ... also between rounds, where it is a whole 4-bit error
-                hops = 2 if algo == "two_shot" else P
-                slack += 2.0 ** -7 * (c["rounds"] - 1) * (hops * (1 + 1 / 7) ** P * amax_sum / 14 + r0_abs)
+                slack += 2.0 ** -7 * (c["rounds"] - 1) * (support.readme_bound(amax_sum, algo, P) + r0_abs)
         err = np.abs(y - y_expect)
         bound = 2.0 ** -20 * (P + 2) * amax_sum + slack + tiny   # output rounding is in the residuals
         worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
         return None if worst <= 1 else f"feedback bookkeeping off by {worst:.3g}x its float32 tolerance"
     else:
-        hops = 2 if algo == "two_shot" else P
-        bound, kind = hops * (1 + 1 / 7) ** P * amax_sum / 14 + rounding, "4-bit bound"
+        bound, kind = support.readme_bound(amax_sum, algo, P) + rounding, "4-bit bound"
     err = np.abs(y - exact)
     worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
     return None if worst <= 1 else f"error {worst:.3g}x the {kind}"

@@ -17,10 +17,12 @@ import re
 
 from .. import dtypes
 from ..codec import GROUP_SIZES
+from ..config import ALGORITHMS
 from .check import MAX_RELERR
 
 AVERAGE_MODES = {0: "rank 0", 1: "avg", 2: "min", 3: "max"}   # nccl-tests' -a
-ALGORITHM_CHOICES = ("two_shot", "ring", "two_shot_pipelined", "one_shot", "auto")   # "both": two_shot,ring
+# echonccl's algorithms but the baseline (always timed); "both": two_shot,ring
+ALGORITHM_CHOICES = tuple(a for a in ALGORITHMS if a != "nccl")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 

@@ -18,7 +18,7 @@ import os
 
 from ..codec import SLICE_QUANTUM
 from ..layout import Layout
-from .two_shot import _part, two_shot
+from .two_shot import _part, _quantize, two_shot
 
 MAX_CHUNKS = 8
 MIN_CHUNK_ELEMS = int(os.environ.get("ECHONCCL_PIPELINE_MIN_CHUNK", 1 << 20))
@@ -58,8 +58,7 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
     for j in range(K):
         for i, s in enumerate(peers):
             lo, hi = V.bounds(s * K + j)
-            k.reduce_quantize(V, None, 0, x[lo:hi], _part(state, s * K + j, V), peer_slot(ws.peers_out, j, i),
-                              "float32")
+            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), peer_slot(ws.peers_out, j, i))
         sent.append(t.start([(s, peer_slot(ws.peers_out, j, i)) for i, s in enumerate(peers)],
                             [(s, peer_slot(ws.peers_in, j, i)) for i, s in enumerate(peers)]))
     gathered = []
@@ -69,8 +68,9 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
         lo, hi = V.bounds(v)
         incoming = ws.peers_in[j * (P - 1) * Bc:(j + 1) * (P - 1) * Bc]
         e_out = None if state is None else state.output[j * C:(j + 1) * C]
-        k.reduce_quantize(V, incoming, r, x[lo:hi], e_out, ws.gather[V.wire_slot(v)], out.dtype,
-                          out[lo:hi] if accumulate else None)
+        k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,
+                          wire_out=ws.gather[V.wire_slot(v)], ref_dtype=out.dtype,
+                          base=out[lo:hi] if accumulate else None)
         gathered.append(t.start([(s, ws.gather[V.wire_slot(v)]) for s in peers],
                                 [(s, ws.gather[V.wire_slot(s * K + j)]) for s in peers]))
     for h in gathered:

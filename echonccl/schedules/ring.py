@@ -1,7 +1,7 @@
 """Ring all-reduce: P-1 requantizing reduce-scatter hops, then P-1 hops forwarding codes."""
 from __future__ import annotations
 
-from .two_shot import _part
+from .two_shot import _part, _quantize
 
 
 def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
@@ -22,16 +22,18 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
 
     c = (r - 1) % P
     lo, hi = L.bounds(c)
-    k.reduce_quantize(L, None, 0, x[lo:hi], _part(state, c, L), send, "float32")
+    _quantize(k, L, x[lo:hi], _part(state, c, L), send)
     for step in range(P - 1):
         t.exchange([(right, send)], [(left, recv)])
         c = (r - step - 2) % P
         lo, hi = L.bounds(c)
-        if step < P - 2:
-            k.reduce_quantize(L, recv, 1, x[lo:hi], _part(state, c, L), send, "float32")
-        else:
-            k.reduce_quantize(L, recv, 1, x[lo:hi], None if state is None else state.output,
-                              ws.gather[slot(r)], out.dtype, out[lo:hi] if accumulate else None)
+        if step < P - 2:                 # a hop: the partial sum from the left, then ours
+            k.reduce_quantize(L, incoming=recv, own_pos=1, own=x[lo:hi], residual=_part(state, c, L),
+                              wire_out=send, ref_dtype="float32")
+        else:                            # the owner: its output residual, quantized once more
+            k.reduce_quantize(L, incoming=recv, own_pos=1, own=x[lo:hi],
+                              residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
+                              ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
 
     for step in range(P - 1):
         t.exchange([(right, ws.gather[slot((r - step) % P)])],

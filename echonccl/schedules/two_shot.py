@@ -18,16 +18,23 @@ def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
 
     for i, s in enumerate(peers):
         lo, hi = L.bounds(s)
-        k.reduce_quantize(L, None, 0, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)], "float32")
+        _quantize(k, L, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)])
     t.exchange([(s, ws.peers_out[slot(i)]) for i, s in enumerate(peers)],
                [(s, ws.peers_in[slot(i)]) for i, s in enumerate(peers)])
 
     lo, hi = L.bounds(r)
-    k.reduce_quantize(L, ws.peers_in, r, x[lo:hi], None if state is None else state.output,
-                      ws.gather[slot(r)], out.dtype, out[lo:hi] if accumulate else None)
+    k.reduce_quantize(L, incoming=ws.peers_in, own_pos=r, own=x[lo:hi],
+                      residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
+                      ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
     t.exchange([(s, ws.gather[slot(r)]) for s in peers],
                [(s, ws.gather[slot(s)]) for s in peers])
     k.dequantize(L, ws.gather, out, accumulate)
+
+
+def _quantize(k, layout, own, residual, wire_out) -> None:
+    """Quantize this rank's contribution ``own`` (plus its input ``residual``) alone, for a peer."""
+    k.reduce_quantize(layout, incoming=None, own_pos=0, own=own, residual=residual, wire_out=wire_out,
+                      ref_dtype="float32")
 
 
 def _part(state, s, layout):

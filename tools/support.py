@@ -1,0 +1,67 @@
+"""What the tests and the tools share to check all-reduce results: the README's error bound and
+the multi-rank helpers (tests/mpi/*.py, tests/test_properties.py, tools/soak.py).
+
+Not installed: tools/launch.py puts ``tools/`` on the import path of what it launches, pytest
+has it on its ``pythonpath``, and scripts in ``tools/`` find it beside them. Functions that talk
+across ranks take an mpi4py communicator (``comm``, default ``MPI.COMM_WORLD``); mpi4py is
+imported only then.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+
+from echonccl import dtypes
+
+TWO_HOP = ("two_shot", "two_shot_pipelined")     # quantized twice per element; ring: once per rank
+
+
+def _world(comm):
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return comm
+
+
+def readme_bound(amax_sum, algo: str, nranks: int):
+    """The README's per-element error bound of a feedback-free 4-bit all-reduce, without the
+    output dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max)
+    / 14 per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum.
+    The sum's group max is at most ``amax_sum`` grown by 1/7 per hop: (1 + 1/7)^P covers it."""
+    hops = 2 if algo in TWO_HOP else nranks
+    return hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
+
+
+def error_bound(exact, amax_sum, algo: str, nranks: int, dtype):
+    """`readme_bound` plus the output's rounding (bf16's 2^-7, relative) and a few units of the
+    smallest float32 and output-dtype subnormals (groups below ~1e-44 can clip to +-7)."""
+    tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
+    return (readme_bound(amax_sum, algo, nranks) + np.abs(exact) * 2.0 ** -7
+            + 8 * (nranks + 1) * (2.0 ** -149 + tiny))
+
+
+def group_amax(x64: np.ndarray, group: int) -> np.ndarray:
+    """Per element: the max |x| of its group of ``group`` elements (non-finite values count as 0)."""
+    x64 = np.asarray(x64, dtype=np.float64).reshape(-1)
+    v = np.zeros(-(-x64.size // group) * group)
+    v[: x64.size] = np.abs(np.where(np.isfinite(x64), x64, 0.0))
+    return np.repeat(v.reshape(-1, group).max(axis=1), group)[: x64.size]
+
+
+def exact_sum(x, comm=None) -> np.ndarray:
+    """The float64 sum over ranks of this rank's ``x`` (host array)."""
+    return _world(comm).allreduce(np.asarray(x, dtype=np.float64))
+
+
+def amax_sum(x, group: int, comm=None) -> np.ndarray:
+    """Per element: the sum over ranks of its group's max |x|."""
+    return _world(comm).allreduce(group_amax(x, group))
+
+
+def assert_identical_across_ranks(y: np.ndarray, what: str, comm=None) -> None:
+    """Every rank's host array ``y`` has the same bytes."""
+    digests = _world(comm).allgather(hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest())
+    assert all(d == digests[0] for d in digests), f"{what}: outputs differ between ranks"
