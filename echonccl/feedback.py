@@ -7,8 +7,9 @@ the calls sharing a state then telescope: the stream's total error is that of
 the last call alone, whatever the depth and the number of ranks.
 
 Without an explicit state, a `Communicator` keeps one default `Feedback` per
-(element count, dtype) and never resets it; pass ``feedback=False`` for plain
-4-bit quantization with no feedback.
+(element count, dtype) and never resets it, in its bounded cache (an evicted
+default state loses its residuals: README "Memory"); pass ``feedback=False`` for
+plain 4-bit quantization with no feedback.
 """
 from __future__ import annotations
 
