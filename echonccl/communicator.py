@@ -242,6 +242,8 @@ class Communicator:
             self._closed = True
             self._layouts.clear()
             self._cache.clear()
+            if self._failure is not None:
+                self.engine.abort()     # the peers may be gone: nothing collective, nothing to wait for
             self.engine.close()
             self._mpi.Free()
 

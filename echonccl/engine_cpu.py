@@ -102,6 +102,9 @@ class CpuEngine:
     def synchronize(self, timeout: float | None = None) -> None:
         """Nothing to wait for: CPU calls complete before they return."""
 
+    def abort(self) -> None:
+        """Nothing to stop: CPU calls complete (or time out) before they return."""
+
     def close(self) -> None:
         pass
 

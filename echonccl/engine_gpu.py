@@ -288,6 +288,11 @@ class GpuEngine:
                                        f"{timeout:g} s (a peer died or hangs); NCCL communicator aborted")
             time.sleep(1e-4)
 
+    def abort(self) -> None:
+        """Stop the NCCL communicator without waiting (after a failure midway; not collective)."""
+        if not self.nccl.closed:
+            self.nccl.abort()
+
     def close(self) -> None:
         if not self.nccl.closed:
             with contextlib.suppress(EchoncclError):

@@ -412,6 +412,10 @@ def check_after_failure():
         again = _outcome(lambda: comm.all_reduce(to_engine(a)))
         assert again.startswith("CommunicatorFailedError after 0.0 s"), again
         lines.append("late call: PeerTimeoutError, then CommunicatorFailedError")
+    t0 = time.monotonic()
+    comm.close()                  # a failed communicator closes at once (GPU: NCCL aborted, not drained)
+    assert time.monotonic() - t0 < 1.0, f"closing a failed communicator took {time.monotonic() - t0:.1f} s"
+    expect_raises(EchoncclError, "closed", comm.all_reduce, to_engine(a))
     reports = WORLD.gather(f"RANK {RANK} " + "; ".join(lines), root=0)
     if RANK == 0:
         for line in reports:
