@@ -7,11 +7,11 @@ wire format.
 """
 from .codec import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from .communicator import Communicator
-from .errors import EchoncclError, MismatchError, PeerTimeoutError
+from .errors import CommunicatorFailedError, EchoncclError, MismatchError, PeerTimeoutError
 from .feedback import Feedback
 from .layout import Layout
 
 __version__ = "0.1.0"
 
 __all__ = ["Communicator", "Feedback", "Layout", "EchoncclError", "MismatchError",
-           "PeerTimeoutError", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "__version__"]
+           "PeerTimeoutError", "CommunicatorFailedError", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "__version__"]

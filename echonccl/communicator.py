@@ -1,13 +1,16 @@
 """The array API: one `Communicator` per process, all-reducing arrays in 4 bits with error feedback."""
 from __future__ import annotations
 
+import hashlib
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from . import config as _config
 from . import dtypes
-from .errors import EchoncclError, MismatchError
+from .cache import BufferCache
+from .errors import CommunicatorFailedError, EchoncclError, MismatchError
 from .feedback import Feedback
 from .layout import Layout
 from .schedules import SCHEDULES, run_rounds
@@ -41,6 +44,44 @@ class CallSignature(NamedTuple):
                 f"group={self.group} rounds={self.rounds}{' no feedback' if self.no_feedback else ''}")
 
 
+class _WireBuffers:
+    """The buffers behind the workspaces of every layout whose slices fit in ``slice_bytes``
+    (a size class, `_size_class`), and the exact-size views handed to each layout."""
+
+    __slots__ = ("peers_out", "peers_in", "gather", "views")
+
+    def __init__(self, engine, nranks: int, slice_bytes: int):
+        P, B = nranks, slice_bytes
+        self.peers_out = engine.empty_bytes((P - 1) * B)
+        self.peers_in = engine.empty_bytes((P - 1) * B)
+        self.gather = engine.empty_bytes(P * B)
+        self.views: dict = {}
+
+    def workspace(self, layout: Layout) -> Workspace:
+        """Views of exactly the bytes ``layout`` uses (schedules address slots by
+        `Layout.wire_slot` from offset 0, so a layout with smaller slices fits)."""
+        ws = self.views.get(layout)
+        if ws is None:
+            if len(self.views) >= 64:
+                self.views.clear()
+            P, B = layout.nranks, layout.slice_bytes
+            ws = self.views[layout] = Workspace(self.peers_out[:(P - 1) * B], self.peers_in[:(P - 1) * B],
+                                                self.gather[:P * B])
+        return ws
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to 4, 5, 6 or 7 times a power of two (at least 4 KiB): at most
+    25% more, so that nearby sizes share one workspace."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << (nbytes.bit_length() - 3)
+    return -(-nbytes // step) * step
+
+
+_MAX_SIGNATURES = 4096      # signatures remembered as checked, layouts kept (small objects)
+
+
 def _pick_engine(name: str, comm, cfg, device):
     if name in ("gpu", "auto"):
         try:
@@ -63,27 +104,33 @@ class Communicator:
     it together, and calls its collectives in the same order with the same
     sizes, dtypes and options. ``engine`` is ``"gpu"`` (CUDA kernels, NCCL),
     ``"cpu"`` (numpy kernels, MPI) or ``"auto"`` (GPU when cupy sees one).
-    ``device`` picks the GPU (default: the node-local rank). Options may be
-    overridden by ``ECHONCCL_*`` variables (`config`). Call `close` when done.
+    ``device`` picks the GPU (default: the node-local rank) and becomes the current
+    device of the calling thread: create the communicator before the arrays it reduces.
+    ``cache_bytes`` bounds the workspaces and default feedback states kept for sizes not
+    in use (README "Memory"). Options may be overridden by ``ECHONCCL_*`` variables
+    (`config`). Call `close` when done.
     """
 
     def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
-                 crossover_bytes=None, timeout=None, rounds=None, device=None):
+                 crossover_bytes=None, timeout=None, rounds=None, device=None, cache_bytes=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
-                                      crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds)
+                                      crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds,
+                                      cache_bytes=cache_bytes)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
         self.size = self.engine.transport.size
-        self._layouts: dict[int, Layout] = {}
-        self._workspaces: dict[Layout, Workspace] = {}
-        self._defaults: dict[tuple, Feedback] = {}
-        self._checked: set = set()
+        self.device = getattr(self.engine, "device_id", None)     # the GPU's index; None on CPU
+        self._layouts: OrderedDict = OrderedDict()
+        # workspaces ("ws", slice-bytes class) and default feedback states ("fb", count, dtype)
+        self._cache = BufferCache(self.config.cache_bytes, self.engine.retire)
+        self._checked: OrderedDict = OrderedDict()
         self._closed = False
+        self._failure: str | None = None
         if _config.debug_enabled() and self.rank == 0:
             print(f"echonccl INFO {_config.describe(self.config)} engine={self.engine.describe()} "
                   f"ranks={self.size}", file=sys.stderr)
@@ -111,16 +158,18 @@ class Communicator:
         Every rank gets a bitwise-identical result. NaN and Inf reach the
         output of their group of ``group_size`` elements as NaN (`codec`).
 
-        Errors: bad arguments raise `TypeError`/`ValueError` (a `Feedback` bound
-        to another call: `EchoncclError`) before any communication. The first call
-        of each signature (count, shape, dtype, algorithm, group size, feedback
-        off, rounds) is checked across ranks: ranks that disagree all raise the same
-        `MismatchError`. A peer that does not answer raises `PeerTimeoutError`
-        after the timeout (GPU: in `synchronize`).
+        Errors: bad arguments (a read-only ``out`` included) raise `TypeError`/`ValueError`
+        (a `Feedback` bound to another call: `EchoncclError`) before any communication.
+        The call's signature (count, shape, dtype, algorithm, group size, feedback off,
+        rounds) is checked across ranks, every call on the CPU engine, the first call of
+        each signature on the GPU engine: ranks that disagree all raise the same
+        `MismatchError`. A peer that does not answer raises `PeerTimeoutError` after the
+        timeout (GPU: in `synchronize`); after that, or any other failure once the call
+        has started communicating, every later call raises `CommunicatorFailedError`.
         """
         self._check_open()
         eng = self.engine
-        with eng.stream_scope(stream):      # a new `out` is allocated in the caller's stream order too
+        with eng.call_scope(stream):        # GPU: this communicator's device, and `stream`
             xa = eng.as_array(x)
             name = dtypes.canonical(xa.dtype)
             oa = self._output(x, xa, out)
@@ -128,28 +177,38 @@ class Communicator:
             algo = self.choose_algorithm(xa.nbytes, algorithm)
             self._check_feedback(feedback, xa.size, name)
             rounds = self._rounds(rounds, feedback, algo)
-            # Every argument error above is local and raised before any communication.
+            # Every argument error above is local and raised before any communication. From
+            # here on, a failure may leave the ranks out of step: it marks the communicator failed.
             self._check_consistent(CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name,
                                                  algorithm=algo, group=self.config.group_size,
                                                  no_feedback=feedback is False, rounds=rounds))
-            if xa.size == 0:
-                pass
-            elif self.size == 1:
-                if oa is not xa:
-                    eng.copy(of, xf)
-            elif algo == "nccl":
-                eng.baseline_all_reduce(xf, of)
-            elif algo == "one_shot":
-                eng.one_shot(xf, of)
-            else:
-                layout = self._layout(xa.size)
-                state = self._feedback(feedback, layout, name)
-                fused = eng.fused_schedule(algo, layout)
-                if fused is not None:
-                    fused(layout, xf, of, state, rounds)
+            try:
+                if xa.size == 0:
+                    pass
+                elif self.size == 1:
+                    if oa is not xa:
+                        eng.copy(of, xf)
+                elif algo == "nccl":
+                    eng.baseline_all_reduce(xf, of)
+                elif algo == "one_shot":
+                    eng.one_shot(xf, of)
                 else:
-                    run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
-                               self._workspace(layout), rounds)
+                    layout = self._layout(xa.size)
+                    capturing = eng.is_capturing()
+                    fb_entry = self._default_entry(layout.count, name) if feedback is None else None
+                    fused = eng.fused_schedule(algo, layout)     # one kernel in registered buffers
+                    ws = None if fused is not None else self._workspace(layout, capturing, fb_entry)
+                    state = self._feedback(feedback, layout, name, fb_entry, ws, capturing)
+                    if self._cache.nbytes > self._cache.limit:    # what an earlier call left over the bound
+                        self._make_room(0, (ws, fb_entry), capturing)
+                    if fused is not None:
+                        fused(layout, xf, of, state, rounds)
+                    else:
+                        run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
+                                   ws.obj.workspace(layout), rounds)
+            except BaseException as exc:
+                self._fail(exc)
+                raise
         return out if out is not None else oa
 
     def baseline_all_reduce(self, x, out=None, *, stream=None):
@@ -159,8 +218,15 @@ class Communicator:
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until this rank's queued collectives have finished (GPU: the current stream).
         A peer that stops answering raises `PeerTimeoutError` after ``timeout`` seconds
-        (default: the communicator's) instead of hanging; the NCCL communicator is then aborted."""
-        self.engine.synchronize(timeout)
+        (default: the communicator's) instead of hanging; the NCCL communicator is then aborted
+        and this communicator refuses every later call (`CommunicatorFailedError`)."""
+        self._check_open()
+        try:
+            self.engine.synchronize(timeout)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.engine.reap()
 
     # -- feedback --------------------------------------------------------------------------------
     def new_feedback(self, residual_dtype: str = "float32") -> Feedback:
@@ -168,15 +234,28 @@ class Communicator:
         return Feedback(residual_dtype)
 
     def load_feedback(self, state: dict) -> Feedback:
-        """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine."""
-        fb = Feedback(state["residual_dtype"], state["enabled"])
+        """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine;
+        a corrupt state (missing entries, wrong sizes or dtypes, NaN or Inf residuals)
+        raises `EchoncclError`."""
+        fb = Feedback()
         fb.load_state_dict(state, zeros=self.engine.zeros)
         return fb
 
     def default_feedback(self, count: int, dtype) -> Feedback:
-        """The state used when a call passes no ``feedback`` (one per count and dtype)."""
-        key = (int(count), dtypes.canonical(dtype))
-        return self._defaults.setdefault(key, Feedback())
+        """The state used when a call passes no ``feedback`` (one per count and dtype).
+        Kept in the bounded cache (README "Memory"): a state evicted to make room for other
+        sizes loses its residuals, and the next call of its size starts a fresh one."""
+        return self._default_entry(int(count), dtypes.canonical(dtype)).obj
+
+    def unpin_all(self) -> None:
+        """Let the cache evict the workspaces and default states that calls captured into
+        CUDA graphs pinned. Call it once those graphs are destroyed (or will not be replayed)."""
+        self._cache.unpin_all()
+
+    def cached_bytes(self) -> int:
+        """Bytes held in workspaces and default feedback states (bounded by ``cache_bytes``,
+        plus the entries in use or pinned)."""
+        return self._cache.nbytes
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -186,8 +265,9 @@ class Communicator:
         if not self._closed:
             self._closed = True
             self._layouts.clear()
-            self._workspaces.clear()
-            self._defaults.clear()
+            self._cache.clear()
+            if self._failure is not None:
+                self.engine.abort()     # the peers may be gone: nothing collective, nothing to wait for
             self.engine.close()
             self._mpi.Free()
 
@@ -201,14 +281,30 @@ class Communicator:
     def _check_open(self):
         if self._closed:
             raise EchoncclError("communicator is closed")
+        if self._failure is not None:
+            raise CommunicatorFailedError(
+                f"rank {self.rank}: this communicator failed in an earlier call ({self._failure}); its "
+                "ranks may be out of step, so it refuses every collective: close() it and create a new "
+                "Communicator on every rank")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the communicator failed after an error midway through a collective."""
+        if self._failure is None:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            self._failure = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
     def _output(self, x_obj, xa, out):
         eng = self.engine
         if out is None:
             return eng.empty_like(xa)
         if out is x_obj:
+            if not eng.writable(x_obj, xa):
+                raise ValueError("out=x writes the result into x, and x is read-only: pass a writable "
+                                 "array, or out=None")
             return xa
         oa = eng.as_array(out)
+        if not eng.writable(out, oa):
+            raise ValueError("out is read-only: pass a writable array (or out=None)")
         if oa.shape != xa.shape or oa.dtype != xa.dtype:
             raise ValueError(f"out has shape {oa.shape} and dtype {oa.dtype}, "
                              f"x has {xa.shape} and {xa.dtype}: they must match")
@@ -220,9 +316,10 @@ class Communicator:
 
     def choose_algorithm(self, nbytes: int, algorithm: str | None = None) -> str:
         """The algorithm `all_reduce` runs for an input of ``nbytes`` bytes given ``algorithm``
-        (None: the communicator's): ``auto`` resolved to ``nccl`` below the crossover size, else
-        the engine's preferred schedule. `ValueError` for an unknown name. Local, no communication."""
-        algo = algorithm or self.config.algorithm
+        (None: the communicator's): ``auto`` resolved to the engine's small-size algorithm
+        (``nccl``, or ``one_shot`` with fused kernels) below the crossover size, else the engine's
+        preferred schedule. `ValueError` for an unknown name. Local, no communication."""
+        algo = self.config.algorithm if algorithm is None else algorithm
         if algo not in _config.ALGORITHMS:
             raise ValueError(f"algorithm must be one of {_config.ALGORITHMS}, got {algo!r}")
         if algo != "auto":
@@ -233,14 +330,33 @@ class Communicator:
         return self.engine.small_algorithm() if nbytes < cross else self.engine.preferred_schedule(self.size)
 
     def _check_consistent(self, sig: CallSignature) -> None:
-        """Once per distinct call signature: all ranks must agree on it (one small allgather)."""
-        if sig in self._checked or self.size == 1:
+        """All ranks must agree on the call signature ``sig``: on engines with
+        ``per_call_check`` (CPU) every call, by allgathering an 8-byte digest of it; otherwise
+        (GPU: no host round trip on the hot path) once per distinct signature. Only on a
+        difference are the signatures themselves gathered, to name them in the `MismatchError`
+        every rank raises. Any other failure (a timeout) marks the communicator failed."""
+        if self.size == 1:
             return
-        sigs = [CallSignature(*s) for s in self.engine.allgather_object(tuple(sig))]
+        eng = self.engine
+        try:
+            if eng.per_call_check:
+                digests = eng.allgather_digest(_digest(sig))
+                if all(d == digests[0] for d in digests):
+                    return
+            elif sig in self._checked:
+                self._checked.move_to_end(sig)
+                return
+            sigs = [CallSignature(*s) for s in eng.allgather_object(tuple(sig))]
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         if any(s != sigs[0] for s in sigs):
             detail = "; ".join(f"rank {r}: {s.describe()}" for r, s in enumerate(sigs))
             raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
-        self._checked.add(sig)
+        if not eng.per_call_check:
+            self._checked[sig] = None
+            if len(self._checked) > _MAX_SIGNATURES:     # the same on every rank: calls are in step
+                self._checked.popitem(last=False)
 
     def _check_feedback(self, feedback, count: int, name: str) -> None:
         """Reject, before any communication, a ``feedback`` that is not a state or is bound elsewhere."""
@@ -263,25 +379,66 @@ class Communicator:
                              "and this call has none")
         return 1 if algo in ("nccl", "one_shot") else rounds
 
-    def _feedback(self, feedback, layout, name):
-        """The residuals of this call (``feedback`` already passed `_check_feedback`)."""
+    def _feedback(self, feedback, layout, name, entry, ws_entry, capturing: bool):
+        """The residuals of this call (``feedback`` already passed `_check_feedback`;
+        ``entry``: the cache entry of the default state when ``feedback`` is None)."""
         if feedback is False:
             return None
-        fb = self.default_feedback(layout.count, name) if feedback is None else feedback
         key = (layout.count, layout.nranks, layout.group, name)
-        return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+        if feedback is not None:
+            return feedback.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+        fb = entry.obj
+        if fb.enabled and fb.residuals is None:        # about to allocate float32 residuals
+            self._make_room(4 * (layout.padded + layout.slice_elems), (ws_entry, entry), capturing)
+        state = fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+        self._cache.resize(entry, _feedback_bytes(fb))
+        self._use(entry, capturing)
+        return state
+
+    def _default_entry(self, count: int, name: str):
+        key = ("fb", count, name)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache.put(key, Feedback(), 0)
+        return entry
 
     def _layout(self, count: int) -> Layout:
         layout = self._layouts.get(count)
         if layout is None:
             layout = self._layouts[count] = Layout(count, self.size, self.config.group_size)
+            if len(self._layouts) > _MAX_SIGNATURES:
+                self._layouts.popitem(last=False)
         return layout
 
-    def _workspace(self, layout: Layout) -> Workspace:
-        ws = self._workspaces.get(layout)
-        if ws is None:
-            P, B = layout.nranks, layout.slice_bytes
-            e = self.engine
-            ws = Workspace(e.empty_bytes((P - 1) * B), e.empty_bytes((P - 1) * B), e.empty_bytes(P * B))
-            self._workspaces[layout] = ws
-        return ws
+    def _workspace(self, layout: Layout, capturing: bool, keep=None):
+        """The cache entry of the wire buffers for ``layout``'s size class (``keep``: another
+        entry this call uses, not to be evicted for it)."""
+        B = _size_class(layout.slice_bytes)
+        key = ("ws", B)
+        entry = self._cache.get(key)
+        if entry is None:
+            nbytes = (3 * layout.nranks - 2) * B
+            self._make_room(nbytes, () if keep is None else (keep,), capturing)
+            entry = self._cache.put(key, _WireBuffers(self.engine, layout.nranks, B), nbytes)
+        self._use(entry, capturing)
+        return entry
+
+    def _make_room(self, nbytes: int, keep, capturing: bool) -> None:
+        if not capturing:       # nothing is evicted (nor any event queried) during a capture
+            self.engine.reap()
+            self._cache.make_room(nbytes, keep)
+
+    def _use(self, entry, capturing: bool) -> None:
+        entry.token = self.engine.use_token()
+        if capturing:
+            entry.pinned = True     # a CUDA graph now holds its pointers: kept until unpin_all/close
+
+
+def _feedback_bytes(fb: Feedback) -> int:
+    r = fb.residuals
+    return 0 if r is None else int(r.inputs.nbytes + r.output.nbytes)
+
+
+def _digest(key) -> int:
+    """A signed 64-bit digest of a call signature (the same on every rank for equal keys)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little", signed=True)

@@ -8,6 +8,7 @@
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |
+| ECHONCCL_CACHE_BYTES      | bound on cached workspaces + default feedback states | 1 GiB   |
 | ECHONCCL_DEBUG            | INFO logs the resolved configuration once at init    | unset   |
 
 Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
@@ -30,6 +31,7 @@ from .schedules import SCHEDULES
 ALGORITHMS = (*SCHEDULES, "nccl", "one_shot", "auto")
 ENGINES = ("cpu", "gpu", "auto")
 MAX_ROUNDS = 4
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Config:
     crossover_bytes: int | None = None
     timeout: float = 300.0
     rounds: int = 1
+    cache_bytes: int = DEFAULT_CACHE_BYTES
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -50,6 +53,8 @@ class Config:
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         check_rounds(self.rounds)
+        if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {self.cache_bytes!r}")
 
 
 def check_rounds(rounds) -> int:
@@ -66,6 +71,7 @@ _ENV = {
     "crossover_bytes": ("ECHONCCL_CROSSOVER_BYTES", int),
     "timeout": ("ECHONCCL_TIMEOUT", float),
     "rounds": ("ECHONCCL_ROUNDS", int),
+    "cache_bytes": ("ECHONCCL_CACHE_BYTES", int),
 }
 
 

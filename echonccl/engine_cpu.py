@@ -7,7 +7,7 @@ import numpy as np
 
 from . import dtypes
 from .kernels_numpy import NumpyKernels
-from .transport_mpi import MpiTransport, allgather_object, wait_all
+from .transport_mpi import MpiTransport, allgather_digest, allgather_object, wait_all
 
 
 class CpuEngine:
@@ -15,12 +15,14 @@ class CpuEngine:
 
     name = "cpu"
     baseline_name = "MPI"
+    per_call_check = True     # every call's signature is compared across ranks (8 bytes each)
 
     def __init__(self, comm, timeout: float):
         self.comm = comm
         self.timeout = timeout
         self.kernels = NumpyKernels()
         self.transport = MpiTransport(comm, timeout)
+        self._digests = (np.zeros(1, np.int64), np.zeros(comm.Get_size(), np.int64))
 
     def describe(self) -> str:
         return "cpu (numpy kernels, MPI transport)"
@@ -74,11 +76,30 @@ class CpuEngine:
         """The 16-bit one-shot's CPU stand-in: the baseline (a float32 sum rounded once)."""
         self.baseline_all_reduce(x, out)
 
-    def stream_scope(self, stream):
+    def call_scope(self, stream):
         return contextlib.nullcontext()
+
+    def writable(self, obj, a: np.ndarray) -> bool:
+        return bool(a.flags.writeable)
+
+    # buffer lifetime (the communicator's cache): every call has completed when it returns
+    def is_capturing(self) -> bool:
+        return False
+
+    def use_token(self):
+        return None
+
+    def retire(self, obj, token) -> None:
+        """An evicted buffer: nothing can still be using it."""
+
+    def reap(self) -> None:
+        pass
 
     def allgather_object(self, obj):
         return allgather_object(self.comm, obj, self.timeout)
+
+    def allgather_digest(self, digest: int) -> np.ndarray:
+        return allgather_digest(self.comm, digest, self.timeout, self._digests)
 
     def baseline_all_reduce(self, x: np.ndarray, out: np.ndarray) -> None:
         """MPI's sum (in float32, rounded once to the dtype): the CPU engine's baseline."""
@@ -91,6 +112,9 @@ class CpuEngine:
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Nothing to wait for: CPU calls complete before they return."""
+
+    def abort(self) -> None:
+        """Nothing to stop: CPU calls complete (or time out) before they return."""
 
     def close(self) -> None:
         pass

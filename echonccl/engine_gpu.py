@@ -18,7 +18,7 @@ import numpy as np
 from . import dtypes, fused, nccl
 from .errors import EchoncclError, PeerTimeoutError
 from .kernels_cuda import CudaKernels
-from .transport_mpi import allgather_object, node_rank_and_size
+from .transport_mpi import allgather_digest, allgather_object, node_rank_and_size
 from .transport_nccl import NcclTransport
 
 import cupy
@@ -54,6 +54,33 @@ def _as_cupy_stream(stream):
 FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 16 << 20))
 
 
+class _CallScope:
+    """This engine's device, then ``stream`` (if any), current for the duration of one call;
+    both restored afterwards."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, device, stream):
+        self.device, self.stream = device, stream
+
+    def __enter__(self):
+        self.device.__enter__()
+        if self.stream is not None:
+            try:
+                self.stream.__enter__()
+            except BaseException:
+                self.device.__exit__(None, None, None)
+                raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.stream is not None:
+                self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
+
+
 class GpuEngine:
     """Engine on device arrays: `CudaKernels` + `NcclTransport` over one NCCL communicator.
 
@@ -65,6 +92,9 @@ class GpuEngine:
 
     name = "gpu"
     baseline_name = "NCCL"
+    # Signatures are compared across ranks on their first call only: a per-call allgather
+    # would put a host round trip on the hot path (README "Errors and guarantees").
+    per_call_check = False
 
     def __init__(self, comm, timeout: float, device: int | None = None):
         self.comm = comm
@@ -74,8 +104,10 @@ class GpuEngine:
             device = int(os.environ.get("ECHONCCL_DEVICE", node_rank_and_size(comm)[0] % max(ndev, 1)))
         if not 0 <= device < ndev:
             raise EchoncclError(f"rank {comm.Get_rank()}: device {device} does not exist ({ndev} visible)")
+        self.device_id = device
         self.device = cupy.cuda.Device(device)
-        self.device.use()
+        self.device.use()      # arrays the caller makes after this (in this thread) are on our device
+        self._retired: list = []
         rank, size = comm.Get_rank(), comm.Get_size()
         self.lib = nccl.load()
         uid = self.lib.get_unique_id() if rank == 0 else None
@@ -130,8 +162,27 @@ class GpuEngine:
                             f"or __dlpack__, not {type(x).__name__}")
         dtypes.canonical(a.dtype)
         if a.device.id != self.device.id:
-            raise ValueError(f"array is on device {a.device.id}, this communicator uses device {self.device.id}")
+            d = self.device.id
+            raise ValueError(
+                f"array is on device {a.device.id}, this communicator uses device {d}: make the arrays on "
+                f"device {d}. Creating the Communicator makes device {d} current in its thread, so arrays "
+                f"created after it (in that thread) are there; for arrays made before it or in another "
+                f"thread, call cupy.cuda.Device({d}).use() (PyTorch: torch.cuda.set_device({d})) first, "
+                f"or pass Communicator(device=...) the device your arrays are on")
         return a
+
+    def writable(self, obj, a) -> bool:
+        """False for memory exported read-only through ``__cuda_array_interface__``
+        (``data = (ptr, True)``); cupy arrays are writable."""
+        if isinstance(obj, cupy.ndarray):
+            return True
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if isinstance(cai, dict):
+            data = cai.get("data")
+            if isinstance(data, (tuple, list)) and len(data) > 1 and data[1]:
+                return False
+        flags = getattr(obj, "flags", None)
+        return bool(getattr(flags, "writeable", True)) if flags is not None else True
 
     def flat(self, a):
         if not a.flags.c_contiguous:
@@ -152,12 +203,60 @@ class GpuEngine:
     def same_memory(self, a, b) -> bool:
         return a.data.ptr == b.data.ptr and a.nbytes == b.nbytes
 
-    def stream_scope(self, stream):
-        return contextlib.nullcontext() if stream is None else _as_cupy_stream(stream)
+    def call_scope(self, stream):
+        return _CallScope(self.device, None if stream is None else _as_cupy_stream(stream))
+
+    # -- lifetime of cached buffers ------------------------------------------------------------
+    def is_capturing(self) -> bool:
+        """The current stream is capturing a CUDA graph (then the buffers a call uses are pinned,
+        and nothing is evicted). When CUDA cannot tell, say yes: pinning is the safe side."""
+        stream = cupy.cuda.get_current_stream()
+        try:
+            return bool(stream.is_capturing())
+        except Exception:  # noqa: BLE001 - e.g. the legacy stream while another one captures
+            return True
+
+    def use_token(self):
+        """The stream a buffer is used on now (what its release must wait for)."""
+        return cupy.cuda.get_current_stream()
+
+    def retire(self, obj, token) -> None:
+        """Keep an evicted buffer alive until the work already queued on ``token`` (the stream
+        that last used it) has run: cupy's pool could otherwise hand its memory to another
+        stream's allocation while that work still reads or writes it."""
+        if token is not None:
+            self._retired.append([token, None, obj])
+            self._mark(self._retired[-1])
+
+    def reap(self) -> None:
+        """Drop the retired buffers whose stream has run past their last use."""
+        if self._retired:
+            with self.device:
+                for item in self._retired:
+                    if item[1] is None:
+                        self._mark(item)
+                self._retired = [item for item in self._retired if item[1] is None or not item[1].done]
+
+    @staticmethod
+    def _mark(item) -> None:
+        """Record the event of a retired buffer on its stream, unless that stream is capturing
+        a graph now (recording there would add a node to the graph): then try again later."""
+        stream = item[0]
+        try:
+            if stream.is_capturing():
+                return
+        except Exception:  # noqa: BLE001 - CUDA cannot tell now: try again at the next reap
+            return
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        item[1] = ev
 
     # -- collectives ---------------------------------------------------------------------------
     def allgather_object(self, obj):
         return allgather_object(self.comm, obj, self.timeout)
+
+    def allgather_digest(self, digest: int):
+        return allgather_digest(self.comm, digest, self.timeout)
 
     def baseline_all_reduce(self, x, out) -> None:
         """NCCL's own ncclAllReduce (sum) on the current stream."""
@@ -202,14 +301,11 @@ class GpuEngine:
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait for the current stream; a peer that stops answering raises `PeerTimeoutError`
         after ``timeout`` (default: the engine's) and aborts the NCCL communicator."""
-        stream = cupy.cuda.get_current_stream()
-        timeout = self.timeout if timeout is None else timeout
-        self._wait_stream(stream, timeout)
-        if self.fused is not None and self.fused.failed():
-            raise PeerTimeoutError(f"rank {self.transport.rank}: a fused all-reduce gave up waiting for a peer "
-                                   f"(timeout {self.timeout:g} s): a peer died, hangs or called differently")
+        with self.device:       # our device's current stream (the null stream is per device)
+            self._synchronize(self.timeout if timeout is None else timeout)
 
-    def _wait_stream(self, stream, timeout: float) -> None:
+    def _synchronize(self, timeout: float) -> None:
+        stream = cupy.cuda.get_current_stream()
         deadline = time.monotonic() + timeout
         while not stream.done:
             err = self.nccl.async_error()
@@ -221,15 +317,25 @@ class GpuEngine:
                 raise PeerTimeoutError(f"rank {self.transport.rank}: GPU work did not finish within "
                                        f"{timeout:g} s (a peer died or hangs); NCCL communicator aborted")
             time.sleep(1e-4)
+        if self.fused is not None and self.fused.failed():
+            raise PeerTimeoutError(f"rank {self.transport.rank}: a fused all-reduce gave up waiting for a peer "
+                                   f"(timeout {self.timeout:g} s): a peer died, hangs or called differently")
+
+    def abort(self) -> None:
+        """Stop the NCCL communicator without waiting (after a failure midway; not collective)."""
+        if not self.nccl.closed:
+            self.nccl.abort()
 
     def close(self) -> None:
         if not self.nccl.closed:
             with contextlib.suppress(EchoncclError):
                 self.synchronize()
             if self.fused is not None:
-                cupy.cuda.runtime.deviceSynchronize()
-                self.fused.close()
+                with self.device:
+                    cupy.cuda.runtime.deviceSynchronize()
+                    self.fused.close()
             self.nccl.destroy()
+        self._retired = []
 
     # -- internals ------------------------------------------------------------------------------
     def _warm_up(self) -> None:

@@ -11,3 +11,9 @@ class PeerTimeoutError(EchoncclError, TimeoutError):
 
 class MismatchError(EchoncclError, ValueError):
     """Ranks called the same collective with different sizes, dtypes or options."""
+
+
+class CommunicatorFailedError(EchoncclError):
+    """A collective of this communicator failed midway (a timeout, an MPI or NCCL error, an
+    interruption): its ranks may be out of step, so it refuses every further collective.
+    Close it and create a new `Communicator` on every rank."""

@@ -7,8 +7,9 @@ the calls sharing a state then telescope: the stream's total error is that of
 the last call alone, whatever the depth and the number of ranks.
 
 Without an explicit state, a `Communicator` keeps one default `Feedback` per
-(element count, dtype) and never resets it; pass ``feedback=False`` for plain
-4-bit quantization with no feedback.
+(element count, dtype) and never resets it, in its bounded cache (an evicted
+default state loses its residuals: README "Memory"); pass ``feedback=False`` for
+plain 4-bit quantization with no feedback.
 """
 from __future__ import annotations
 
@@ -98,18 +99,29 @@ class Feedback:
         The residuals come back in the dtype the key and ``residual_dtype`` imply, also
         from files that lost it (``np.savez`` stores bfloat16 as raw 2-byte void); arrays
         of the wrong size for the key raise `EchoncclError`."""
-        residual_dtype, enabled = d["residual_dtype"], bool(d["enabled"])
+        if not hasattr(d, "get") or not hasattr(d, "__getitem__"):
+            raise EchoncclError(f"bad feedback state: a dict from Feedback.state_dict expected, "
+                                f"not {type(d).__name__}")
+        residual_dtype, enabled, key = (_entry(d, k) for k in ("residual_dtype", "enabled", "key"))
+        residual_dtype, enabled = _as_str(residual_dtype), bool(enabled)
         if residual_dtype not in ("float32", "input"):
             raise EchoncclError(f"bad feedback state: residual_dtype {residual_dtype!r}")
-        key = _normalize_key(d["key"])
+        key = _normalize_key(key)
         if key is None:
             self.residual_dtype, self.enabled = residual_dtype, enabled
             self.key, self.residuals = None, None
             return
-        dt = np.dtype("float32") if residual_dtype == "float32" else dtypes.numpy_dtype(key[3])
-        layout = Layout(key[0], key[1], key[2])
-        inputs = _as_dtype(d["inputs"], dt, layout.padded, "inputs")
-        output = _as_dtype(d["output"], dt, layout.slice_elems, "output")
+        try:
+            dt = np.dtype("float32") if residual_dtype == "float32" else dtypes.numpy_dtype(key[3])
+            layout = Layout(key[0], key[1], key[2])
+        except (TypeError, ValueError) as exc:
+            raise EchoncclError(f"bad feedback state: key {key!r}: {exc}") from None
+        inputs = _as_dtype(_entry(d, "inputs"), dt, layout.padded, "inputs")
+        output = _as_dtype(_entry(d, "output"), dt, layout.slice_elems, "output")
+        for what, a in (("inputs", inputs), ("output", output)):
+            if not np.isfinite(a.astype(np.float32)).all():   # the codec never stores NaN or Inf
+                raise EchoncclError(f"bad feedback state: {what} holds NaN or Inf (residuals are always "
+                                    "finite: the state is corrupt)")
         if self.residuals is None or self.key != key or self.residuals.inputs.dtype != dt:
             if zeros is None:
                 raise EchoncclError("loading into an unbound Feedback needs the engine allocator: "
@@ -119,6 +131,19 @@ class Feedback:
         self.residual_dtype, self.enabled = residual_dtype, enabled
         _copy_into(self.residuals.inputs, inputs)
         _copy_into(self.residuals.output, output)
+
+
+def _entry(d, name: str):
+    try:
+        return d[name]
+    except KeyError:
+        raise EchoncclError(f"bad feedback state: no {name!r} entry (a Feedback.state_dict has "
+                            "residual_dtype, enabled, key and, once bound, inputs and output)") from None
+
+
+def _as_str(v):
+    """A string saved as itself or as a 0-d numpy array (np.savez)."""
+    return v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
 
 
 def _normalize_key(key):

@@ -106,6 +106,25 @@ def allgather_object(comm, obj, timeout: float) -> list:
     return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
 
 
+def allgather_digest(comm, digest: int, timeout: float, bufs=None) -> np.ndarray:
+    """Every rank's 64-bit ``digest``, bounded by ``timeout``: point-to-point messages (tag
+    `_DIGEST_TAG`) rather than a collective, so that a timeout names the silent ranks and
+    cancels what it posted. ``bufs``: reusable (send [1], receive [size]) int64 arrays."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    send, recv = bufs if bufs is not None else (np.zeros(1, np.int64), np.zeros(size, np.int64))
+    send[0] = recv[rank] = digest
+    peers = [p for p in range(size) if p != rank]
+    reqs = [comm.Irecv([recv[p:p + 1], MPI.INT64_T], source=p, tag=_DIGEST_TAG) for p in peers]
+    reqs += [comm.Isend([send, MPI.INT64_T], dest=p, tag=_DIGEST_TAG) for p in peers]
+    wait_all(reqs, timeout, f"rank {rank}: metadata check (exchange of the call signature)", peers=peers + peers)
+    return recv
+
+
+_DIGEST_TAG = _TAG + 1
+
+
 def node_rank_and_size(comm) -> tuple[int, int]:
     """This rank's place among the ranks of ``comm`` that share its node, and their number."""
     from mpi4py import MPI

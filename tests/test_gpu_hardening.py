@@ -17,9 +17,10 @@ from conftest import needs_gpus
 pytestmark = needs_gpus(2)
 
 from conftest import run_mpi  # noqa: E402
-from test_hardening import SURVIVOR_EXIT, SURVIVOR_LINE, run_check, run_fault  # noqa: E402
+from test_hardening import (SURVIVOR_EXIT, SURVIVOR_LINE, UNFINALIZED_EXIT,  # noqa: E402
+                            assert_failed_communicators_refuse, run_check, run_fault)
 
-CHECKS = ["bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume"]
+CHECKS = ["bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "device"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -53,10 +54,19 @@ def test_gpu_determinism_matches_the_cpu_reference():
 
 def test_gpu_argument_error_on_one_rank_times_out_the_others():
     res = run_check(2, "local_error", "gpu", timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
     assert "RANK 1 known signature: ValueError at once; new signature: TypeError at once" in res.stdout
     assert re.search(r"RANK 0 known signature: PeerTimeoutError after [\d.]+ s; new signature: PeerTimeoutError",
                      res.stdout), res.stdout
+
+
+def test_gpu_failed_communicator_refuses_later_calls():
+    """A call that timed out (rank 1 skipped it) aborts NCCL; every later call of that
+    communicator, on every rank, raises CommunicatorFailedError instead of running."""
+    res = run_check(2, "after_failure", "gpu", timeout=300)
+    assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
+    assert "OK after_failure ranks=2 engine=gpu" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("then CommunicatorFailedError") == 2, res.stdout
 
 
 @pytest.mark.parametrize("check", ["peer_exit", "peer_hang"])
@@ -67,6 +77,7 @@ def test_gpu_dead_or_frozen_peer_raises_in_synchronize(check):
     t, msg = float(found[0][1]), found[0][2]
     assert 2.95 <= t <= 3 + 10, t                       # 3 s, plus the NCCL abort
     assert "GPU work did not finish within 3 s (a peer died or hangs); NCCL communicator aborted" in msg, msg
+    assert_failed_communicators_refuse(res, [0])
     assert res.returncode == SURVIVOR_EXIT, res.stdout + res.stderr
     assert wall < 120
 
@@ -76,6 +87,7 @@ def test_gpu_peer_dead_before_first_call():
     found = SURVIVOR_LINE.findall(res.stdout)
     assert [int(r) for r, _, _ in found] == [0], res.stdout + res.stderr
     assert "metadata check" in found[0][2]
+    assert_failed_communicators_refuse(res, [0])
     assert res.returncode == SURVIVOR_EXIT
 
 

@@ -32,6 +32,7 @@ import launch
 from conftest import run_mpi
 
 SURVIVOR_EXIT = 42
+UNFINALIZED_EXIT = 43      # tests/mpi/hardening.py: checks that end without MPI_Finalize
 
 
 # -- launching ----------------------------------------------------------------------------------
@@ -58,6 +59,14 @@ def run_fault(n: int, check: str, engine: str, timeout_env: str | None = None, w
 
 
 SURVIVOR_LINE = re.compile(r"SURVIVOR rank=(\d+) PeerTimeoutError after ([\d.]+) s: (.*)")
+REFUSAL_LINE = re.compile(r"REFUSAL rank=(\d+) then CommunicatorFailedError after ([\d.]+) s")
+
+
+def assert_failed_communicators_refuse(res, survivors: list[int]) -> None:
+    """After its PeerTimeoutError every survivor's next call was refused at once."""
+    found = {int(r): float(t) for r, t in REFUSAL_LINE.findall(res.stdout)}
+    assert sorted(found) == survivors, f"refusals: {found}\n{res.stdout}"
+    assert all(t < 1.0 for t in found.values()), found
 
 
 def assert_survivors_timed_out(res, wall: float, n: int, check: str, engine: str, timeout: float,
@@ -69,6 +78,7 @@ def assert_survivors_timed_out(res, wall: float, n: int, check: str, engine: str
         assert timeout - 0.05 <= t <= timeout + 2, f"rank {r} raised after {t} s\n{out}"
         assert f"within {timeout:g} s (a peer died or hangs)" in msg, msg
         assert where in msg, msg
+    assert_failed_communicators_refuse(res, [r for r in range(n) if r != 1])
     assert f"OK {check} ranks={n} engine={engine}" in res.stdout, out
     assert res.returncode == SURVIVOR_EXIT, f"exit status {res.returncode}\n{out}"
     assert wall < timeout + 25, f"took {wall:.1f} s"
@@ -82,11 +92,12 @@ def run_check(n: int, check: str, engine: str = "cpu", env_extra: dict | None = 
                    extra_env={"ECHONCCL_TIMEOUT": None, **(env_extra or {})})
 
 
-UNFINALIZED = ("local_error", "out_of_step")
+UNFINALIZED = ("local_error", "out_of_step", "after_failure")
 
 
 # -- multi-rank checks --------------------------------------------------------------------------
-SIMPLE = [(c, n) for c in ("bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume")
+SIMPLE = [(c, n) for c in ("bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume",
+                           "cache")
           for n in (2, 3)]
 
 
@@ -104,7 +115,7 @@ def test_check(check, n):
 def test_argument_error_on_one_rank_times_out_the_others(n):
     t0 = time.monotonic()
     res = run_check(n, "local_error", timeout=60)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
     assert "RANK 1 known signature: ValueError at once; new signature: TypeError at once" in res.stdout
     for r in range(n):
         if r != 1:
@@ -117,19 +128,33 @@ def test_argument_error_on_one_rank_times_out_the_others(n):
 @pytest.mark.parametrize("n", [2, 3])
 def test_ranks_out_of_step_raise_mismatch_not_garbage(n):
     res = run_check(n, "out_of_step", timeout=60)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
     assert f"OK out_of_step ranks={n} engine=cpu" in res.stdout
     assert res.stdout.count("MismatchError after") == n
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_call_is_checked_and_a_failed_communicator_refuses(n):
+    """The sequences of issue 15 that used to time out and then compute garbage: now a
+    MismatchError on every rank (the next call is right), and after a timeout every later
+    call raises CommunicatorFailedError."""
+    res = run_check(n, "after_failure", timeout=120)
+    assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
+    assert f"OK after_failure ranks={n} engine=cpu" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("MismatchError on every rank, then right") == 2 * n, res.stdout
+    assert res.stdout.count("then CommunicatorFailedError") == n, res.stdout
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("check,n", [("peer_exit", 2), ("peer_exit", 3), ("peer_hang", 2), ("peer_hang", 3)])
 def test_dead_or_frozen_peer_raises_peer_timeout(check, n):
     """Rank 1 exits (or freezes) after a warm-up call; with Communicator(timeout=3) every other
-    rank raises PeerTimeoutError in the exchange about 3 s later, names the silent rank, prints
-    it and exits with status 42: no hang."""
+    rank raises PeerTimeoutError about 3 s later (in the per-call signature check, which is the
+    first message of every call), names the silent rank, prints it and exits with status 42:
+    no hang."""
     res, wall = run_fault(n, check, "cpu")
-    assert_survivors_timed_out(res, wall, n, check, "cpu", 3.0, "exchange with ranks")
+    assert_survivors_timed_out(res, wall, n, check, "cpu", 3.0, "metadata check")
     assert "no answer from ranks [1]" in res.stdout
 
 
@@ -187,6 +212,22 @@ def test_bad_arguments_are_rejected_before_anything_runs(comm):
         comm.all_reduce(x.tolist())
     with pytest.raises(TypeError, match="feedback must be"):
         comm.all_reduce(x, feedback=object())
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        comm.all_reduce(x, algorithm="")                 # not a silent default
+    ro = np.ones((4, 256), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        comm.all_reduce(x, ro)
+    with pytest.raises(ValueError, match="x is read-only"):
+        comm.all_reduce(ro, ro)
+    assert comm.all_reduce(ro).flags.writeable          # a read-only x with a new out is fine
+
+
+def test_empty_algorithm_is_refused_by_the_configuration():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", algorithm="")
+    with pytest.raises(ValueError, match="cache_bytes"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", cache_bytes=-1)
 
 
 def test_feedback_bound_elsewhere_is_rejected_even_on_one_rank(comm):
@@ -300,12 +341,36 @@ def test_loading_another_residual_dtype_into_a_bound_state_reallocates():
     (lambda d: d.update(key=(1000, 2)), "key"),
     (lambda d: d.update(residual_dtype="float64"), "residual_dtype"),
     (lambda d: d.update(inputs=d["inputs"].astype(np.int32)), "dtype"),
+    (lambda d: d["inputs"].__setitem__(7, np.nan), "NaN or Inf"),
+    (lambda d: d["output"].__setitem__(0, np.inf), "NaN or Inf"),
+    (lambda d: d["inputs"].__setitem__(3, -np.inf), "NaN or Inf"),
+    (lambda d: d.pop("key"), "no 'key' entry"),
+    (lambda d: d.pop("inputs"), "no 'inputs' entry"),
+    (lambda d: d.pop("output"), "no 'output' entry"),
+    (lambda d: d.pop("residual_dtype"), "no 'residual_dtype' entry"),
+    (lambda d: d.pop("enabled"), "no 'enabled' entry"),
 ])
 def test_corrupt_state_dicts_are_refused(breakage, match):
     sd = _bound("float32").state_dict()
     breakage(sd)
     with pytest.raises(EchoncclError, match=match):
         echonccl.Feedback().load_state_dict(sd, zeros=np.zeros)
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c, pytest.raises(EchoncclError, match=match):
+        c.load_feedback(sd)
+    target = _bound("float32")                # a bound state refuses it and keeps its residuals
+    before = target.state_dict()
+    with pytest.raises(EchoncclError, match=match):
+        target.load_state_dict(sd)
+    assert target.residuals.inputs.tobytes() == before["inputs"].tobytes()
+
+
+@pytest.mark.parametrize("residual_dtype", ["float32", "input"])
+def test_non_finite_residuals_are_refused_in_every_dtype(residual_dtype):
+    sd = _bound(residual_dtype).state_dict()
+    sd["output"] = sd["output"].copy()
+    sd["output"][5] = np.nan
+    with pytest.raises(EchoncclError, match="NaN or Inf"):
+        echonccl.Feedback().load_state_dict(_npz(sd), zeros=np.zeros)
 
 
 def test_state_from_another_world_size_is_refused_at_the_first_call(comm):

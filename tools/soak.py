@@ -25,9 +25,9 @@ Checks:
 Rank 0 reports calls, checked calls, errors, wall time, and memory (max over ranks): CPU resident
 set size (VmRSS, peak VmHWM from /proc/self/status); GPU cupy memory-pool used/total bytes and
 cudaMemGetInfo. Memory is sampled at the start, after the warm-up (a quarter of the calls), at
-the end and after closing the communicator: growth after the warm-up is the leak signal (a fresh
-size every call grows memory by design: the communicator keeps one workspace per layout and
-one default feedback state per (count, dtype), for stable pointers under CUDA graphs).
+the end and after closing the communicator, with the bytes the communicator caches
+(workspaces and default feedback states, bounded by ``--cache-bytes``): growth after the
+warm-up is the leak signal, also with ``--distinct-sizes 0`` (a fresh size every call).
 
 Exit status: 0 when every check passed, 1 on any error, 2 on a usage error.
 """
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw sizes from a pool of this many (0: a fresh size every call)")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of " + ",".join(ALGORITHMS))
     p.add_argument("--timeout", type=float, default=120, help="echonccl timeout in seconds (default 120)")
+    p.add_argument("--cache-bytes", type=parse_bytes, default=None,
+                   help="the communicator's cache bound (default: ECHONCCL_CACHE_BYTES or 1G)")
     p.add_argument("--progress", type=int, default=0, help="print a line every N calls (rank 0)")
     return p
 
@@ -119,7 +121,7 @@ def memory_sample(engine: str, comm=None) -> dict:
         m.update(pool_used_mib=pool.used_bytes() / 2 ** 20, pool_total_mib=pool.total_bytes() / 2 ** 20,
                  device_used_mib=(total - free) / 2 ** 20)
     if comm is not None:
-        m.update(workspaces=len(comm._workspaces), default_states=len(comm._defaults))
+        m.update(cached_mib=comm.cached_bytes() / 2 ** 20, cache_entries=len(comm._cache))
     return m
 
 
@@ -189,7 +191,8 @@ def main(argv=None) -> int:
     world = MPI.COMM_WORLD
     rank, P = world.Get_rank(), world.Get_size()
     plan = Plan(args, P)
-    comm = echonccl.Communicator(world.Dup(), engine=args.engine, timeout=args.timeout)
+    comm = echonccl.Communicator(world.Dup(), engine=args.engine, timeout=args.timeout,
+                                 cache_bytes=args.cache_bytes)
     engine = comm.engine.name
     G = comm.config.group_size
     if engine == "gpu":
@@ -298,8 +301,13 @@ def main(argv=None) -> int:
         for name, col in zip(names, zip(*all_mem)):
             print(f"memory {name:6s} (max over ranks, MiB): {format_memory(list(col))}")
         grow = max(m[2]["rss_mib"] - m[1]["rss_mib"] for m in all_mem)
-        print(f"memory growth after warm-up: rss {grow:+.1f} MiB (max over ranks); the communicator "
-              f"caches one workspace per layout and one default state per (count, dtype)")
+        extra = ""
+        if engine == "gpu":
+            extra = "".join(f", {k[:-4]} {max(m[2][k] - m[1][k] for m in all_mem):+.1f} MiB"
+                            for k in ("pool_used_mib", "pool_total_mib", "device_used_mib"))
+        print(f"memory growth after warm-up: rss {grow:+.1f} MiB{extra} (max over ranks); the communicator "
+              f"caches {max(m[2]['cached_mib'] for m in all_mem):.1f} MiB at the end, bound "
+              f"{comm.config.cache_bytes / 2 ** 20:.1f} MiB (+ the entries in use)")
         code = 1 if n_err else 0
     else:
         code = 0

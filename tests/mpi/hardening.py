@@ -8,11 +8,21 @@ Two kinds of checks end differently, by design:
 
 * fault checks (``peer_exit``, ``peer_exit_first``, ``peer_hang``): rank 1 dies (exits
   without MPI_Finalize) or freezes (SIGSTOP) before an all-reduce; every other rank must
-  raise `PeerTimeoutError` within the timeout, prints ``SURVIVOR rank=R ...`` and exits
-  with status `SURVIVOR_EXIT` (42) without finalizing MPI. Under MPICH's hydra they need
-  ``mpiexec -disable-auto-cleanup`` (otherwise the launcher kills the survivors first).
-* ``local_error`` and ``out_of_step`` leave the MPI communicator unusable on purpose: every
-  rank prints ``RANK r ...`` and exits with status 0 without finalizing.
+  raise `PeerTimeoutError` within the timeout, then `CommunicatorFailedError` on its next
+  call, prints ``SURVIVOR rank=R ...`` and exits with status `SURVIVOR_EXIT` (42) without
+  finalizing MPI. Under MPICH's hydra they need ``mpiexec -disable-auto-cleanup``
+  (otherwise the launcher kills the survivors first).
+* ``local_error``, ``out_of_step`` and ``after_failure`` leave an MPI communicator with
+  requests that never complete on purpose: every rank reports and exits with status
+  `UNFINALIZED_EXIT` (43) without finalizing.
+
+Exit statuses are chosen for both launchers. Open MPI's mpirun (4.1) returns the status of
+the first process that ends abnormally and kills the rest: a process that exits with 0
+without MPI_Finalize counts as abnormal and makes mpirun return 1, whatever the others do;
+a non-zero status is returned as is. MPICH's mpiexec (with ``-disable-auto-cleanup``) lets
+every rank finish and returns the highest status. So every rank of a check that ends
+unfinalized exits non-zero, rank 0 (which reports for all) first, and a frozen peer, once
+released, waits for the survivors to be gone before it exits.
 
 Environment: ``HARDENING_EXAMPLES`` (hypothesis examples of ``properties``, default 30);
 ``ECHONCCL_TIMEOUT`` is honoured (``peer_exit_first`` relies on it).
@@ -36,13 +46,14 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import echonccl  # noqa: E402
-from echonccl import EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
+from echonccl import CommunicatorFailedError, EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host  # noqa: E402
 import support  # noqa: E402
 from support import exact_sum  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 SURVIVOR_EXIT = 42
+UNFINALIZED_EXIT = 43
 FAULT_TIMEOUT = 3.0
 LATE = 2.0 if ENGINE == "cpu" else 10.0     # how late a PeerTimeoutError may come (GPU: + NCCL abort)
 
@@ -100,11 +111,12 @@ def _report(line: str) -> None:
 
 def _exit_unfinalized() -> None:
     """Leave without MPI_Finalize (spent duplicates hold requests that never complete), all
-    ranks together: MPICH's launcher kills the rest as soon as one rank exits, which could
-    cut off output another rank has not had forwarded yet."""
+    ranks together, with `UNFINALIZED_EXIT` (see the module docstring): rank 0, which has
+    reported for every rank, first; a launcher that kills the rest when one rank exits then
+    cuts off nothing that matters."""
     WORLD.Barrier()      # WORLD itself is untouched: echonccl ran on duplicates
-    time.sleep(0.5)
-    os._exit(0)
+    time.sleep(0.5 if RANK == 0 else 2.0)
+    os._exit(UNFINALIZED_EXIT)
 
 
 # -- 1. bad input -----------------------------------------------------------------------------
@@ -142,9 +154,27 @@ def check_bad_input():
                   feedback=fb)                                                          # another dtype
     expect_raises(EchoncclError, "bound to", comm.all_reduce, to_engine(np.zeros(0, np.float32)),
                   feedback=fb)
+    # read-only output memory: refused before the exchange, the feedback state untouched
+    expect_raises(ValueError, "algorithm", comm.all_reduce, x, feedback=fb, algorithm="")
+    if ENGINE == "cpu":
+        ro = rank_data(n, "float32", 1)
+        ro.flags.writeable = False
+        expect_raises(ValueError, "read-only", comm.all_reduce, x, ro, feedback=fb)
+        expect_raises(ValueError, "read-only", comm.all_reduce, ro, ro, feedback=fb)
     if ENGINE == "gpu":
         import cupy
 
+        class ReadOnly:                 # device memory exported read-only (CAI data = (ptr, True))
+            def __init__(self, a):
+                self.a = a
+                cai = dict(a.__cuda_array_interface__)
+                cai["data"] = (cai["data"][0], True)
+                self.__cuda_array_interface__ = cai
+
+        ro = cupy.asarray(rank_data(n, "float32", 1))
+        expect_raises(ValueError, "read-only", comm.all_reduce, x, ReadOnly(ro), feedback=fb)
+        ro_x = ReadOnly(ro)
+        expect_raises(ValueError, "read-only", comm.all_reduce, ro_x, ro_x, feedback=fb)
         expect_raises(TypeError, "host", comm.all_reduce, np.zeros(64, np.float32))
         ndev = cupy.cuda.runtime.getDeviceCount()
         if ndev > 1:
@@ -178,10 +208,12 @@ def check_local_error():
     others raise PeerTimeoutError after the timeout (a signature already checked: in the
     exchange; a new one: in the metadata check). Never a hang."""
     timeout = 2.0
-    x = to_engine(rank_data(4096, "float32", 3))
+    x = None
     results = []
     for what in ("known signature", "new signature"):
         comm = new_comm(WORLD.Dup(), timeout=timeout)   # spent afterwards: requests never complete
+        if x is None:     # after the communicator, which makes its GPU current (README "Use")
+            x = to_engine(rank_data(4096, "float32", 3))
         if what == "known signature":
             comm.all_reduce(x)
             comm.synchronize()
@@ -306,6 +338,71 @@ def check_out_of_step():
     _exit_unfinalized()
 
 
+def _outcome(fn) -> str:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return "no error"
+    except EchoncclError as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
+
+
+def check_after_failure():
+    """The issue-15 sequences. (a) CPU engine, every call checked: rank 0 repeating a
+    signature it used before while rank 1 calls a new one, or an empty call it made before
+    against 256 elements, raises MismatchError on every rank, and the next agreed call is
+    right. (b) Both engines: a call that times out (rank 1 skipped it) marks the communicator
+    failed: rank 0's next call and synchronize raise CommunicatorFailedError at once, rank 1's
+    next call fails (never returns a result) and its later ones are refused too."""
+    timeout = 2.0
+    lines = []
+    comm = new_comm(WORLD.Dup(), timeout=timeout)
+    G = comm.config.group_size
+    a, b = rank_data(256, "float32", 51), rank_data(512, "float32", 52)
+    empty = np.zeros(0, np.float32)
+    if ENGINE == "cpu":           # the GPU engine checks a signature's first call only (README)
+        for what, mine, first in (("repeat vs new count", a if RANK == 0 else b, a),
+                                  ("empty vs 256", empty if RANK == 0 else a, empty)):
+            comm.all_reduce(to_engine(first))
+            got = _outcome(lambda: comm.all_reduce(to_engine(mine)))
+            outs = WORLD.allgather(got)
+            assert all(o.startswith("MismatchError") for o in outs), f"{what}: {outs}"
+            y = to_host(comm.all_reduce(to_engine(a), feedback=False))
+            assert_identical_across_ranks(y, f"{what}: the next call")
+            check_within_bound(y, a, "two_shot", G, "float32", f"{what}: the next call")
+            y = to_host(comm.all_reduce(to_engine(a)))              # default feedback state too
+            assert_identical_across_ranks(y, f"{what}: the next call with feedback")
+            lines.append(f"{what}: MismatchError on every rank, then right")
+    comm.all_reduce(to_engine(a))
+    comm.synchronize()
+    WORLD.Barrier()
+    if RANK != 1:                 # rank 1 skips this call
+        first = _outcome(lambda: (comm.all_reduce(to_engine(a)), comm.synchronize(timeout)))
+        assert first.startswith("PeerTimeoutError"), f"rank {RANK}: {first}"
+        again = _outcome(lambda: comm.all_reduce(to_engine(a)))
+        sync = _outcome(lambda: comm.synchronize())
+        for o in (again, sync):
+            assert o.startswith("CommunicatorFailedError after 0.0 s") and "create a new Communicator" in o, o
+        lines.append("skipped call: PeerTimeoutError, then CommunicatorFailedError")
+    WORLD.Barrier()
+    if RANK == 1:                 # now calls what rank 0 called: the others have given up
+        late = _outcome(lambda: (comm.all_reduce(to_engine(a)), comm.synchronize(timeout)))
+        assert late.startswith("PeerTimeoutError"), f"rank 1: {late}"
+        again = _outcome(lambda: comm.all_reduce(to_engine(a)))
+        assert again.startswith("CommunicatorFailedError after 0.0 s"), again
+        lines.append("late call: PeerTimeoutError, then CommunicatorFailedError")
+    t0 = time.monotonic()
+    comm.close()                  # a failed communicator closes at once (GPU: NCCL aborted, not drained)
+    assert time.monotonic() - t0 < 1.0, f"closing a failed communicator took {time.monotonic() - t0:.1f} s"
+    expect_raises(EchoncclError, "closed", comm.all_reduce, to_engine(a))
+    reports = WORLD.gather(f"RANK {RANK} " + "; ".join(lines), root=0)
+    if RANK == 0:
+        for line in reports:
+            _report(line)
+        _report(f"OK after_failure ranks={P} engine={ENGINE}")
+    _exit_unfinalized()
+
+
 # -- special values ---------------------------------------------------------------------------
 def check_nonfinite():
     """NaN, +Inf, -Inf, Inf-Inf: their group of every rank's output is NaN (codec.py), the other
@@ -410,27 +507,78 @@ def check_subnormal():
 
 
 # -- faults -----------------------------------------------------------------------------------
-def _survive(check: str, call, t0: float, timeout: float, pids=None) -> None:
-    """Run ``call`` on a surviving rank: it must raise PeerTimeoutError after about ``timeout`` s."""
+def _survive(check: str, call, t0: float, timeout: float, survivors, pids=None) -> None:
+    """Run ``call`` on a surviving rank: it must raise PeerTimeoutError after about ``timeout`` s,
+    and then ``call`` again must raise CommunicatorFailedError at once (the communicator's ranks
+    may be out of step: it must refuse, never compute). ``survivors``: the MPI communicator of
+    the surviving ranks, to leave together once all have reported."""
+    code = 1
     try:
         call()
     except PeerTimeoutError as e:
         dt = time.monotonic() - t0
+        t1 = time.monotonic()
+        try:
+            call()
+            refused = "NOT REFUSED: the next call ran"
+        except CommunicatorFailedError as e2:
+            refused = (f"then CommunicatorFailedError after {time.monotonic() - t1:.2f} s"
+                       if "create a new Communicator" in str(e2) else f"then a vague refusal: {e2}")
+        except BaseException as e2:  # noqa: BLE001 - reported below
+            refused = f"then {type(e2).__name__}: {e2}"
+        refused_ok = refused.startswith("then CommunicatorFailedError") and time.monotonic() - t1 < 1.0
         _report(f"SURVIVOR rank={RANK} PeerTimeoutError after {dt:.2f} s: {e}")
+        _report(f"REFUSAL rank={RANK} {refused}")
         for pid in pids or ():
             try:
-                os.kill(pid, signal.SIGCONT)     # let the frozen peer go (it exits at once)
+                os.kill(pid, signal.SIGCONT)     # let the frozen peer go (it exits once we are gone)
             except ProcessLookupError:
                 pass                             # another survivor's SIGCONT already let it go
-        ok = timeout - 0.05 <= dt <= timeout + LATE
+        ok = timeout - 0.05 <= dt <= timeout + LATE and refused_ok
         if RANK == 0 and ok:
             _report(f"OK {check} ranks={P} engine={ENGINE}")
-        os._exit(SURVIVOR_EXIT if ok else 3)
+        code = SURVIVOR_EXIT if ok else 3
     except BaseException as e:  # noqa: BLE001 - reported, then a distinct exit status
         _report(f"SURVIVOR rank={RANK} unexpected {type(e).__name__}: {e}")
-        os._exit(2)
-    _report(f"SURVIVOR rank={RANK} NO ERROR after {time.monotonic() - t0:.2f} s")
-    os._exit(1)
+        code = 2
+    else:
+        _report(f"SURVIVOR rank={RANK} NO ERROR after {time.monotonic() - t0:.2f} s")
+    _leave_together(survivors)
+    os._exit(code)
+
+
+def _leave_together(comm, limit: float = 30.0) -> None:
+    """Wait (at most ``limit`` s) until every rank of ``comm`` is here, so that a launcher that
+    kills the job when the first rank exits cuts off no rank's report."""
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + limit
+    while not req.Test() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped by the
+    launcher's proxy, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _wait_until_gone(pids, limit: float = 60.0) -> None:
+    """Wait (at most ``limit`` s) until the processes ``pids`` (on this node) have exited."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not [pid for pid in pids if _running(pid)]:
+            return
+        time.sleep(0.05)
 
 
 def _fault(check: str, how: str, warm: bool) -> None:
@@ -439,6 +587,7 @@ def _fault(check: str, how: str, warm: bool) -> None:
     assert comm.config.timeout == timeout, comm.config.timeout
     x = to_engine(rank_data(50_000, "bfloat16", 31))
     pids = WORLD.allgather(os.getpid())
+    survivors = WORLD.Split(0 if RANK != 1 else MPI.UNDEFINED)
     if warm:
         comm.all_reduce(x)                     # the signature is checked: the hang is in the data path
         comm.synchronize()
@@ -447,13 +596,16 @@ def _fault(check: str, how: str, warm: bool) -> None:
         if how == "exit":
             os._exit(0)                        # dies: no MPI_Finalize, no goodbye
         os.kill(os.getpid(), signal.SIGSTOP)   # freezes, until a survivor sends SIGCONT
+        # Released: leave only after the survivors, so that their status is the job's (Open MPI's
+        # mpirun reports the first rank to end abnormally, and ending unfinalized is abnormal).
+        _wait_until_gone([p for r, p in enumerate(pids) if r != 1])
         os._exit(0)
 
     def call():
         comm.all_reduce(x)
         comm.synchronize(timeout)              # GPU: the wait is here (polls, then aborts NCCL)
 
-    _survive(check, call, time.monotonic(), timeout, [pids[1]] if how == "stop" else None)
+    _survive(check, call, time.monotonic(), timeout, survivors, [pids[1]] if how == "stop" else None)
 
 
 def check_peer_exit():
@@ -476,12 +628,15 @@ def check_peer_hang():
 # -- lifecycle --------------------------------------------------------------------------------
 def check_close_reopen():
     """Communicators close and reopen in one process (explicit engine and ``auto``), several
-    times, two at once; results are bitwise the same; a closed one refuses calls."""
-    x = to_engine(rank_data(20_000, "bfloat16", 41))
+    times, two at once; results are bitwise the same; a closed one refuses calls. The input
+    is made after the first communicator (README "Use") and serves all the later ones."""
+    x = None
     ref = None
     for engine in (ENGINE, "auto"):
         for _ in range(3):
             comm = echonccl.Communicator(engine=engine)
+            if x is None:
+                x = to_engine(rank_data(20_000, "bfloat16", 41))
             fb = comm.new_feedback()
             y = canonical_f32(comm.all_reduce(x, feedback=False, algorithm="two_shot"))
             comm.all_reduce(x, feedback=fb, algorithm="ring")
@@ -508,6 +663,124 @@ def check_close_reopen():
 
         gc.collect()
         assert pool.used_bytes() <= used0 + (1 << 20), f"device memory grew: {used0} -> {pool.used_bytes()}"
+
+
+def check_cache():
+    """Memory stays bounded under changing sizes: 1000 distinct sizes (two dtypes, default
+    feedback states and none) through a communicator whose cache is bounded by 256 KiB; after
+    every call the cached bytes stay under the bound plus what that call uses, and the
+    entries stay few. Nearby sizes share one workspace, and a shared (larger) workspace gives
+    bitwise the outputs of a communicator that never evicts. GPU: a call captured into a CUDA
+    graph pins its workspace, which then survives the churn, and the graph replays right."""
+    cap = 256 << 10
+    small, big = new_comm(cache_bytes=cap), new_comm(WORLD.Dup(), cache_bytes=1 << 40)
+    G = small.config.group_size
+    rng = np.random.default_rng(7)             # the same sizes on every rank
+    counts = rng.choice(np.arange(1, 60_000), size=1000, replace=False)
+    most = 0
+    for i, n in enumerate(counts):
+        n = int(n)
+        dt = "float32" if i % 2 else "bfloat16"
+        x = to_engine(rank_data(n, dt, seed=i))
+        fb = None if i % 3 else False
+        y = small.all_reduce(x, feedback=fb)
+        L = small._layout(n)
+        in_use = (3 * P - 2) * ((L.slice_bytes * 5) // 4 + 4096) + (4 * (L.padded + L.slice_elems) if fb is None else 0)
+        assert small.cached_bytes() <= cap + in_use, f"call {i} n={n}: {small.cached_bytes()} cached, bound {cap}"
+        most = max(most, len(small._cache))
+        if i % 10 == 0:
+            yb = big.all_reduce(x, feedback=False)
+            ys = small.all_reduce(x, feedback=False)
+            assert canonical_f32(ys).tobytes() == canonical_f32(yb).tobytes(), f"n={n}: shared workspace differs"
+            assert_identical_across_ranks(y, f"n={n}")
+    assert most <= 40, f"{most} cache entries for a {cap} byte bound"
+    assert small._cache.evictions > 900, small._cache.evictions
+    # an evicted default state comes back fresh (its residuals are gone: README "Memory")
+    assert small.default_feedback(int(counts[1]), "float32").key is None
+    # nearby sizes share a workspace
+    before = sum(1 for k in big._cache._entries if k[0] == "ws")
+    for n in range(200_000, 200_400, 7):
+        big.all_reduce(to_engine(rank_data(n, "float32", seed=n)), feedback=False)
+    assert sum(1 for k in big._cache._entries if k[0] == "ws") <= before + 2
+    if ENGINE == "gpu":
+        _check_captured_calls_are_pinned(small)
+    small.close()
+    big.close()
+
+
+def _check_captured_calls_are_pinned(comm) -> None:
+    import cupy
+
+    n = 300_000
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = to_engine(rank_data(n, "float32", seed=99))
+        out = cupy.empty_like(x)
+        comm.all_reduce(x, out, feedback=False)         # warm-up: allocations happen outside the capture
+        stream.synchronize()
+        expect = out.get()
+        out.fill(0)
+        stream.begin_capture()
+        comm.all_reduce(x, out, feedback=False)
+        graph = stream.end_capture()
+    assert comm._cache.pinned_bytes() > 0, "a captured call pinned nothing"
+    ws_key = ("ws", _size_class_of(comm, n))
+    ws_before = comm._cache._entries[ws_key].obj
+    for i, m in enumerate(range(1000, 400_000, 9973)):  # churn: every other workspace is evicted
+        comm.all_reduce(to_engine(rank_data(m, "float32", seed=i)), feedback=False)
+    assert comm._cache._entries[ws_key].obj is ws_before, "a pinned workspace was evicted"
+    graph.launch(stream)
+    stream.synchronize()
+    assert out.get().tobytes() == expect.tobytes(), "the replayed graph differs from the eager call"
+    del graph
+    comm.unpin_all()
+    assert comm._cache.pinned_bytes() == 0
+
+
+def _size_class_of(comm, n: int) -> int:
+    from echonccl.communicator import _size_class
+
+    return _size_class(comm._layout(n).slice_bytes)
+
+
+def check_device():
+    """GPU: the communicator and the arrays agree on the device without the caller picking it.
+    Arrays made after creating a communicator, after closing it, after creating another, are
+    on its device and accepted; a call made while another device is current runs on the
+    communicator's device and leaves the caller's current device as it was; an array on
+    another device is refused with a message that says what to do. CPU: nothing to check."""
+    if ENGINE != "gpu":
+        return
+    import cupy
+
+    ndev = cupy.cuda.runtime.getDeviceCount()
+    comm = new_comm()
+    d = comm.device
+    assert d == comm.engine.device.id and cupy.cuda.runtime.getDevice() == d
+    x = to_engine(rank_data(5000, "float32", 61))               # no cupy.cuda.Device(...).use()
+    assert x.device.id == d, f"an array made after the communicator is on device {x.device.id}, not {d}"
+    y = to_host(comm.all_reduce(x, feedback=False))
+    assert_identical_across_ranks(y, "after creation")
+    comm.synchronize()
+    comm.close()
+    x2 = to_engine(rank_data(5000, "float32", 61))              # after close(): still the same device
+    assert x2.device.id == d, f"after close() arrays land on device {x2.device.id}, not {d}"
+    with new_comm() as a, new_comm(WORLD.Dup()) as b:           # two communicators, one device
+        x3 = to_engine(rank_data(5000, "float32", 61))
+        assert x3.device.id == d == a.device == b.device
+        assert to_host(a.all_reduce(x3, feedback=False)).tobytes() == y.tobytes()
+        assert to_host(b.all_reduce(x2, feedback=False)).tobytes() == y.tobytes()
+        if ndev > 1:
+            other = (d + 1) % ndev
+            with cupy.cuda.Device(other):     # the caller works on another device meanwhile
+                got = to_host(a.all_reduce(x3, feedback=False, algorithm="ring"))
+                a.synchronize()
+                assert cupy.cuda.runtime.getDevice() == other, "a call changed the caller's device"
+                wrong = cupy.zeros(64, cupy.float32)
+            ref = to_host(a.all_reduce(x3, feedback=False, algorithm="ring"))
+            assert got.tobytes() == ref.tobytes(), "a call made under another current device differs"
+            e = expect_raises(ValueError, f"cupy.cuda.Device({d}).use()", a.all_reduce, wrong)
+            assert f"on device {other}" in str(e) and "torch.cuda.set_device" in str(e), str(e)
 
 
 # -- determinism ------------------------------------------------------------------------------
@@ -726,9 +999,9 @@ def _property_case(comm, c) -> None:
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in
-          (check_bad_input, check_local_error, check_empty, check_mismatch, check_out_of_step,
+          (check_bad_input, check_local_error, check_empty, check_mismatch, check_out_of_step, check_after_failure,
            check_nonfinite, check_subnormal, check_peer_exit, check_peer_exit_first, check_peer_hang,
-           check_close_reopen, check_determinism, check_resume, check_properties)}
+           check_close_reopen, check_cache, check_device, check_determinism, check_resume, check_properties)}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
