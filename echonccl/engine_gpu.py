@@ -119,7 +119,7 @@ class GpuEngine:
         self.fused = None
         self._warm_up()
         if size > 1 and fused.available(comm, self.device.id, self.allgather_object):
-            self.fused = fused.FusedPaths(comm, self.allgather_object, rank, size, timeout)
+            self.fused = fused.FusedPaths(comm, self.allgather_object, rank, size, timeout, self.is_capturing)
             self.fused.preload()
 
     # -- description ------------------------------------------------------------------------

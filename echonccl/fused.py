@@ -16,9 +16,9 @@ registered region, never synchronize the host, and can be captured in a CUDA gra
 """
 from __future__ import annotations
 
+import ctypes
 import os
-
-import numpy as np
+from collections import OrderedDict
 
 from . import dtypes, kernels_cuda
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
@@ -57,8 +57,20 @@ def fused_name(dtype: str, res: str, group: int) -> str:
     return f"echo_fused_two_shot_{dtype}_res{res}_g{group}"
 
 
-def one_shot_name(dtype: str) -> str:
-    return f"echo_one_shot_{dtype}"
+def one_shot_name(dtype: str, low_latency: bool = False) -> str:
+    return f"echo_one_shot_{'ll_' if low_latency else ''}{dtype}"
+
+
+# (input, residual) pairs of the fused two-shot, per group size (cuda_src/fused_kernels.cu).
+_FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("bf16", "f32"), ("bf16", "bf16"), ("f32", "f32"))
+
+
+def entry_points() -> list[str]:
+    """Every kernel ``fused_kernels.cu`` defines."""
+    from .codec import GROUP_SIZES
+
+    names = [fused_name(t, r, g) for g in GROUP_SIZES for t, r in _FUSED_COMBOS]
+    return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 
 class _Module:
@@ -84,24 +96,71 @@ class _Module:
         return k
 
 
+class _Launch:
+    """One kernel launch with its arguments packed once (8-byte values: pointers and ints), made
+    by one ``cuLaunchKernel`` through ctypes on the stream given: what a call costs on the host
+    once its buffers have been seen (CuPy's ``RawKernel`` call converts every argument each time)."""
+
+    _cu = None
+
+    def __init__(self, kern, grid: int, args):
+        if _Launch._cu is None:
+            cu = ctypes.CDLL("libcuda.so.1")
+            cu.cuLaunchKernel.restype = ctypes.c_int
+            cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            _Launch._cu = cu
+        self.kern, self.grid = kern, int(grid)
+        self.fn = kern.kernel.ptr
+        self.vals = (ctypes.c_int64 * len(args))(*[int(a) for a in args])
+        base = ctypes.addressof(self.vals)
+        self.params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
+
+    def __call__(self, stream_ptr: int) -> None:
+        err = self._cu.cuLaunchKernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream_ptr, self.params, None)
+        if err:
+            from .errors import EchoncclError
+
+            raise EchoncclError(f"cuLaunchKernel({getattr(self.kern, 'name', '?')}) failed: CUresult {err}")
+
+
+class _Plans(OrderedDict):
+    """Prepared launches by (region, kernel, buffers), least recently used dropped past `MAX_PLANS`."""
+
+    def get_or_make(self, key, make):
+        plan = self.get(key)
+        if plan is None:
+            plan = self[key] = make()
+            if len(self) > MAX_PLANS:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return plan
+
+
+MAX_PLANS = 512
+
+
 class FusedPaths:
     """The fused launches of one communicator over its `PeerMemory` (see the module docstring)."""
 
-    def __init__(self, comm, allgather, rank: int, size: int, timeout: float,
+    def __init__(self, comm, allgather, rank: int, size: int, timeout: float, capturing,
                  max_bytes: int = DEFAULT_MAX_BYTES, blocks_per_sm: int = BLOCKS_PER_SM, options=()):
         import cupy
 
         self.rank, self.size = rank, size
         self.peers = PeerMemory(comm, allgather, max_bytes)
+        self._capturing = capturing       # () -> bool: the current stream is capturing a graph
         self.timeout_ns = int(timeout * 1e9)
         self.module = _Module(tuple(options) + tuple(os.environ.get("ECHONCCL_FUSED_DEFINES", "").split()))
         dev = cupy.cuda.runtime.getDevice()
         self.max_blocks = blocks_per_sm * cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        self._plans = _Plans()
+        self._stream = cupy.cuda.get_current_stream
 
     def preload(self) -> None:
         for t in _SHORT.values():
             self.module.kernel(one_shot_name(t))
-            self.module.kernel(f"echo_one_shot_ll_{t}")
+            self.module.kernel(one_shot_name(t, True))
 
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:
@@ -110,9 +169,21 @@ class FusedPaths:
 
     def two_shot(self, layout, x, out, state, rounds: int = 1) -> None:
         """The fused two_shot of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
-        S, G, P = layout.slice_elems, layout.group, self.size
+        S = layout.slice_elems
         T = fused_tiles(S)
         region = self._region(layout.slice_bytes, T)
+        res = (0, 0) if state is None else (state.inputs.data.ptr, state.output.data.ptr)
+        key = (id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
+               x.data.ptr, x.size, out.data.ptr) + res
+        first, more = self._plans.get_or_make(key, lambda: self._two_shot_plan(layout, T, region, x, out, state))
+        stream = self._stream().ptr
+        first(stream)
+        for _ in range(rounds - 1):
+            more(stream)
+
+    def _two_shot_plan(self, layout, T, region, x, out, state):
+        """The launches of round 1 and of a refinement round (empty input, accumulate)."""
+        S, G, P = layout.slice_elems, layout.group, self.size
         t = _SHORT[dtypes.canonical(x.dtype)]
         if state is None:
             res_in = res_out = 0
@@ -121,32 +192,31 @@ class FusedPaths:
             res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
             r = _SHORT[dtypes.canonical(state.inputs.dtype)]
         kern = self.module.kernel(fused_name(t, r, G))
-        grid = (min(self.max_blocks, 2 * P * T),)
+        grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
-        kern(grid, (BLOCK,), tuple(args))
+        first = _Launch(kern, grid, args)
         args[1], args[11] = 0, 1
-        for _ in range(rounds - 1):
-            kern(grid, (BLOCK,), tuple(args))
+        return first, _Launch(kern, grid, args)
 
     # -- one-shot ---------------------------------------------------------------------------
     def one_shot(self, x, out) -> None:
         """16-bit one-shot sum of ``x`` into ``out`` (flat engine arrays of one dtype): up to
         `LL_MAX_BYTES` (4-byte aligned) as low-latency lines, else in flagged tiles; the same bits."""
-        n = x.size
-        n8, T, region = self._one_shot_region(n, x.itemsize)
+        n8, T, region = self._one_shot_region(x.size, x.itemsize)
+        key = (id(region), x.dtype, x.data.ptr, x.size, out.data.ptr)
+        self._plans.get_or_make(key, lambda: self._one_shot_plan(x, out, n8, T, region))(self._stream().ptr)
+
+    def _one_shot_plan(self, x, out, n8, T, region):
         t = _SHORT[dtypes.canonical(x.dtype)]
         if x.nbytes <= LL_MAX_BYTES and not (x.data.ptr | out.data.ptr) & 3:
             words = -(-x.nbytes // 4)
-            kern = self.module.kernel(f"echo_one_shot_ll_{t}")
-            kern((-(-words // BLOCK),), (BLOCK,), (x.data.ptr, out.data.ptr, n, self.rank, self.size, LL_WORDS,
-                                                    region.table.data.ptr, region.epochs, region.ctl,
-                                                    self.timeout_ns))
-            return
-        kern = self.module.kernel(one_shot_name(t))
-        grid = (max(1, min(self.max_blocks, 2 * T)),)
-        kern(grid, (BLOCK,), (x.data.ptr, out.data.ptr, n, self.rank, self.size, ONE_SHOT_TILE,
-                              region.max_tiles, region.table.data.ptr, region.ctl, self.timeout_ns))
+            return _Launch(self.module.kernel(one_shot_name(t, True)), -(-words // BLOCK),
+                           [x.data.ptr, out.data.ptr, x.size, self.rank, self.size, LL_WORDS, region.table.data.ptr,
+                            region.epochs, region.ctl, self.timeout_ns])
+        return _Launch(self.module.kernel(one_shot_name(t)), max(1, min(self.max_blocks, 2 * T)),
+                       [x.data.ptr, out.data.ptr, x.size, self.rank, self.size, ONE_SHOT_TILE, region.max_tiles,
+                        region.table.data.ptr, region.ctl, self.timeout_ns])
 
     def one_shot_fits(self, x) -> bool:
         return self._one_shot_region(x.size, x.itemsize)[2] is not None
@@ -168,4 +238,4 @@ class FusedPaths:
         self.peers.close()
 
     def _region(self, slice_bytes: int, ntiles: int):
-        return self.peers.region_for(slice_bytes, ntiles)
+        return self.peers.region_for(slice_bytes, ntiles, self._capturing)

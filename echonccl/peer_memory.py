@@ -55,6 +55,18 @@ def one_shot_tiles(elems: int) -> int:
     return max(1, -(-(elems // 8) // ONE_SHOT_TILE))
 
 
+def region_layout(nranks: int, slice_bytes: int, max_tiles: int) -> dict:
+    """Byte offsets of a region's parts (see the module docstring) and its size ``nbytes``."""
+    P = nranks
+    off = {"ctl": 0, "epochs": CTL_BYTES}
+    off["flags"] = off["epochs"] + _align(LL_BLOCKS * 4)
+    off["recv"] = off["flags"] + _align((2 * P - 1) * max_tiles * 4)
+    off["gather"] = off["recv"] + _align((P - 1) * slice_bytes)
+    off["ll"] = off["gather"] + _align(P * slice_bytes)
+    off["nbytes"] = off["ll"] + 2 * (P - 1) * LL_WORDS * 8
+    return off
+
+
 class Region:
     """One generation of registered buffers: ``slice_bytes`` per wire slot, ``max_tiles`` flags
     per slot. Collective (every rank of ``comm`` constructs it at the same point)."""
@@ -66,12 +78,9 @@ class Region:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         P = self.size
         self.slice_bytes, self.max_tiles = int(slice_bytes), int(max_tiles)
-        self.epochs_off = CTL_BYTES
-        self.flags_off = self.epochs_off + _align(LL_BLOCKS * 4)
-        self.recv_off = self.flags_off + _align((2 * P - 1) * self.max_tiles * 4)
-        self.gather_off = self.recv_off + _align((P - 1) * self.slice_bytes)
-        self.ll_off = self.gather_off + _align(P * self.slice_bytes)
-        self.nbytes = self.ll_off + 2 * (P - 1) * LL_WORDS * 8
+        lay = region_layout(P, self.slice_bytes, self.max_tiles)
+        self.epochs_off, self.flags_off, self.recv_off = lay["epochs"], lay["flags"], lay["recv"]
+        self.gather_off, self.ll_off, self.nbytes = lay["gather"], lay["ll"], lay["nbytes"]
         self.ptr = runtime.malloc(self.nbytes)
         self._opened: list[int] = []
         try:
@@ -127,16 +136,23 @@ class PeerMemory:
     """The regions of one communicator: the newest serves calls that fit; a call that does not
     fit (up to ``max_bytes`` per region) grows them collectively."""
 
-    def __init__(self, comm, allgather, max_bytes: int):
+    def __init__(self, comm, allgather, max_bytes: int, make_region=Region):
         self.comm, self.allgather, self.max_bytes = comm, allgather, int(max_bytes)
+        self.make_region = make_region
         self.regions: list[Region] = []
 
-    def region_for(self, slice_bytes: int, ntiles: int):
+    def region_for(self, slice_bytes: int, ntiles: int, capturing=lambda: False):
         """The region serving a call of this size, growing if needed; None if it exceeds
-        ``max_bytes`` (that call takes the NCCL path)."""
+        ``max_bytes`` (that call takes the NCCL path). Growing is collective and synchronizes
+        the device: during a CUDA-graph capture (``capturing()``) it raises `EchoncclError`."""
         cur = self.regions[-1] if self.regions else None
         if cur is not None and cur.fits(slice_bytes, ntiles):
             return cur
+        if capturing():
+            from .errors import EchoncclError
+
+            raise EchoncclError("this all-reduce size needs larger peer buffers, which cannot be registered "
+                                "during a CUDA-graph capture: make one eager call of it before capturing")
         P = self.comm.Get_size()
         sb = max(slice_bytes, 2 * cur.slice_bytes if cur else 1 << 20)
         nt = max(ntiles, 2 * cur.max_tiles if cur else 64)
@@ -144,7 +160,7 @@ class PeerMemory:
             sb = slice_bytes
             if (2 * P - 1) * sb > self.max_bytes:
                 return None
-        self.regions.append(Region(self.comm, self.allgather, sb, nt))
+        self.regions.append(self.make_region(self.comm, self.allgather, sb, nt))
         return self.regions[-1]
 
     def nbytes(self) -> int:

@@ -67,6 +67,24 @@ def test_fatbin_built_with_fingerprint(checked, tmp_path):
 
 
 @pytest.mark.nvcc
+def test_fused_kernels_compile_self_contained(nvcc):
+    """fused_kernels.cu as NVRTC gets it (codec.cuh inlined) compiles with the module's flags and
+    defines exactly the fused entry points; the kernels keep to 64 registers (4 blocks of 256
+    threads per SM must be resident for the grid the host launches)."""
+    from echonccl import fused
+
+    src = kc.module_source(fused.SOURCE)
+    ptx = _ptx(src, *kc.NVCC_FLAGS)
+    assert sorted(re.findall(r"\.entry\s+(\w+)", ptx)) == sorted(fused.entry_points())
+    _, log = cuda_build.nvcc_run(["-arch=sm_90", "-c", *kc.NVCC_FLAGS, "-Xptxas", "-v", "-o", "f.o", "f.cu"],
+                                 {"f.cu": src.encode()}, ["f.o"], nvcc)
+    regs = {m.group(1): int(r.group(1)) for m, r in zip(re.finditer(r"Compiling entry function '(\w+)'", log),
+                                                       re.finditer(r"Used (\d+) registers", log))}
+    assert set(regs) >= set(fused.entry_points()), log[-2000:]
+    assert max(regs[k] for k in fused.entry_points()) <= 64, regs
+
+
+@pytest.mark.nvcc
 def test_nvrtc_source_is_self_contained(nvcc):
     """What kernels_cuda hands NVRTC (codec.cuh inlined) compiles with no include path at all."""
     ptx = _ptx(kc.module_source())

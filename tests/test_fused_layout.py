@@ -1,0 +1,88 @@
+"""The fused path's host-side plan, without a GPU: tiles, the registered region's layout, and
+how regions grow (collectively, never during a capture, never past the cap)."""
+from __future__ import annotations
+
+import pytest
+
+from echonccl import fused, kernels_cuda
+from echonccl.errors import EchoncclError
+from echonccl.peer_memory import (ALIGN, CHUNK, LL_WORDS, TILES, PeerMemory, fused_tiles, one_shot_tiles,
+                                  region_layout)
+
+
+@pytest.mark.parametrize("elems", [512, 2048, 512 * 1000, 1 << 28])
+def test_fused_tiles_cover_the_chunks(elems):
+    T = fused_tiles(elems)
+    chunks = -(-(elems // 8) // CHUNK)
+    assert 1 <= T <= min(chunks, TILES)
+    assert T == min(chunks, TILES)        # every tile holds at least one chunk
+
+
+def test_one_shot_tiles():
+    assert one_shot_tiles(8) == 1
+    assert one_shot_tiles(8 * 1024 * 3) == 3
+    assert one_shot_tiles(8 * 1024 * 3 + 8) == 4
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("slice_bytes,tiles", [(1 << 20, 64), (5 * 4096 + 64, 1000), (160 << 20, 1024)])
+def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles):
+    lay = region_layout(P, slice_bytes, tiles)
+    parts = [("ctl", 16), ("epochs", 4 * 1024), ("flags", (2 * P - 1) * tiles * 4),
+             ("recv", (P - 1) * slice_bytes), ("gather", P * slice_bytes), ("ll", 2 * (P - 1) * LL_WORDS * 8)]
+    end = 0
+    for name, size in parts:
+        assert lay[name] % ALIGN == 0, name
+        assert lay[name] >= end, f"{name} overlaps the part before it"
+        end = lay[name] + size
+    assert lay["nbytes"] == end
+
+
+class _FakeRegion:
+    made: list = []
+
+    def __init__(self, comm, allgather, slice_bytes, max_tiles):
+        self.slice_bytes, self.max_tiles = slice_bytes, max_tiles
+        self.nbytes = region_layout(comm.Get_size(), slice_bytes, max_tiles)["nbytes"]
+        _FakeRegion.made.append(self)
+
+    def fits(self, slice_bytes, ntiles):
+        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles
+
+
+class _Comm:
+    def Get_size(self):
+        return 2
+
+
+def test_regions_grow_by_doubling_and_stop_at_the_cap():
+    _FakeRegion.made = []
+    pm = PeerMemory(_Comm(), None, max_bytes=3 * (8 << 20), make_region=_FakeRegion)
+    r1 = pm.region_for(1000, 10)
+    assert r1.slice_bytes == 1 << 20 and r1.max_tiles == 64       # the smallest region
+    assert pm.region_for(1 << 20, 64) is r1                       # fits: no new region
+    r2 = pm.region_for((1 << 20) + 1, 10)
+    assert r2.slice_bytes == 2 << 20 and pm.regions == [r1, r2]   # twice the last, old one kept
+    assert pm.region_for(1000, 10) is r2                          # the newest serves every call
+    assert pm.region_for(5 << 20, 10).slice_bytes == 5 << 20
+    assert pm.region_for(9 << 20, 10) is None                     # 3 x 9 MiB > cap: NCCL path
+    assert len(_FakeRegion.made) == 3
+
+
+def test_no_growth_during_a_capture():
+    _FakeRegion.made = []
+    pm = PeerMemory(_Comm(), None, max_bytes=1 << 30, make_region=_FakeRegion)
+    r = pm.region_for(1000, 10)
+    assert pm.region_for(1000, 10, capturing=lambda: True) is r   # fits: fine while capturing
+    with pytest.raises(EchoncclError, match="eager call"):
+        pm.region_for(4 << 20, 10, capturing=lambda: True)
+    assert pm.regions == [r]
+
+
+def test_entry_point_names():
+    names = fused.entry_points()
+    assert len(names) == len(set(names)) == 15 + 6
+    assert fused.fused_name("bf16", "bf16", 32) in names
+    assert "echo_one_shot_ll_f32" in names
+    src = kernels_cuda.module_source(fused.SOURCE)
+    assert '#include "codec.cuh"' not in src and "reduce_quantize_body" in src   # the header inlined
