@@ -46,18 +46,22 @@ class Communicator:
     it together, and calls its collectives in the same order with the same
     sizes, dtypes and options. ``engine`` is ``"gpu"`` (CUDA kernels, NCCL),
     ``"cpu"`` (numpy kernels, MPI) or ``"auto"`` (GPU when cupy sees one).
-    ``device`` picks the GPU (default: the node-local rank). Options may be
+    ``device`` picks the GPU (default: the node-local rank). ``codec``:
+    ``"int4"`` or ``"int4-h32"`` (each group rotated by a 32-point Hadamard
+    transform before quantizing: about 5x less perplexity loss on a real model
+    at the same bytes; `codec`). Options may be
     overridden by ``ECHONCCL_*`` variables (`config`). Call `close` when done.
     """
 
     def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
-                 crossover_bytes=None, timeout=None, rounds=None, device=None):
+                 crossover_bytes=None, timeout=None, rounds=None, device=None, codec=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
-                                      crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds)
+                                      crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds,
+                                      codec=codec)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
@@ -113,7 +117,7 @@ class Communicator:
             rounds = self._rounds(rounds, feedback, algo)
             # Every argument error above is local and raised before any communication.
             self._check_consistent(("all_reduce", xa.size, name, algo, self.config.group_size,
-                                    feedback is False, tuple(xa.shape), rounds))
+                                    feedback is False, tuple(xa.shape), rounds, self.config.codec))
             if xa.size == 0:
                 pass
             elif self.size == 1:
@@ -144,7 +148,13 @@ class Communicator:
         return Feedback(residual_dtype)
 
     def load_feedback(self, state: dict) -> Feedback:
-        """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine."""
+        """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine.
+        A state of another codec than this communicator's raises `EchoncclError`."""
+        saved = state.get("codec", "int4")
+        saved = saved.item() if hasattr(saved, "item") else saved
+        if saved != self.config.codec:
+            raise EchoncclError(f"feedback state was saved by codec {saved!r}, this communicator uses "
+                                f"{self.config.codec!r}: residuals of one codec mean nothing to the other")
         fb = Feedback(state["residual_dtype"], state["enabled"])
         fb.load_state_dict(state, zeros=self.engine.zeros)
         return fb
@@ -212,7 +222,7 @@ class Communicator:
         keys = self.engine.allgather_object(key)
         if any(k != keys[0] for k in keys):
             detail = "; ".join(f"rank {r}: count={k[1]} shape={k[6]} dtype={k[2]} algorithm={k[3]} "
-                               f"group={k[4]} rounds={k[7]}{' no feedback' if k[5] else ''}"
+                               f"group={k[4]} rounds={k[7]} codec={k[8]}{' no feedback' if k[5] else ''}"
                                for r, k in enumerate(keys))
             raise MismatchError(f"ranks called all_reduce with different arguments: {detail}")
         self._checked.add(key)
@@ -224,7 +234,7 @@ class Communicator:
         if not isinstance(feedback, Feedback):
             raise TypeError(f"feedback must be a Feedback, False or None, not {type(feedback).__name__}")
         if feedback.enabled:
-            feedback.check_key((count, self.size, self.config.group_size, name))
+            feedback.check_key((count, self.size, self.config.group_size, name), self.config.codec)
 
     def _rounds(self, rounds, feedback, algo: str) -> int:
         """The call's round count: 1 for the exact baseline and, unless asked for explicitly
@@ -244,12 +254,13 @@ class Communicator:
             return None
         fb = self.default_feedback(layout.count, name) if feedback is None else feedback
         key = (layout.count, layout.nranks, layout.group, name)
-        return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+        return fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros, self.config.codec)
 
     def _layout(self, count: int) -> Layout:
         layout = self._layouts.get(count)
         if layout is None:
-            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size)
+            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size,
+                                                         codec=self.config.codec)
         return layout
 
     def _workspace(self, layout: Layout) -> Workspace:

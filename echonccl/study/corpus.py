@@ -1,13 +1,23 @@
-"""Real text for the model study: the Lee news corpus shipped inside the ``gensim`` distribution.
+"""Real text for the model study, both shipped inside the ``gensim`` distribution.
+
+* ``lee``: the Lee news corpus, ``gensim/test/test_data/lee_background.cor``
+  (300 Australian news articles, one per line);
+* ``wiki``: English Wikipedia, the 2016 dump sample
+  ``gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2``
+  (encyclopedic prose: the lead paragraphs of each article, wiki markup stripped
+  by `wiki_plain_text`), a second text of another register than news.
 
 gensim is never installed: ``pip download --no-deps`` fetches its wheel (or
-sdist) once and ``gensim/test/test_data/lee_background.cor`` (300 Australian
-news articles, one per line) is read out of the archive and cached.
+sdist) once, when a text is first asked for, and the text is read out of the
+archive and cached in `cache_dir` (nothing is downloaded again afterwards).
 """
 from __future__ import annotations
 
+import bz2
 import glob
+import html
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -15,7 +25,9 @@ import tempfile
 import zipfile
 
 MEMBER = "gensim/test/test_data/lee_background.cor"
+WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 GENSIM_REQ = "gensim==4.4.0"
+TEXTS = ("lee", "wiki")
 
 
 def cache_dir() -> str:
@@ -24,33 +36,90 @@ def cache_dir() -> str:
     return d
 
 
-def _read_member(archive: str) -> str:
+def _read_member(archive: str, member: str = MEMBER) -> str:
     if archive.endswith(".whl") or archive.endswith(".zip"):
         with zipfile.ZipFile(archive) as z:
-            return z.read(MEMBER).decode("utf-8")
-    with tarfile.open(archive) as t:
-        name = next(n for n in t.getnames() if n.endswith(MEMBER))
-        return t.extractfile(name).read().decode("utf-8")
+            data = z.read(member)
+    else:
+        with tarfile.open(archive) as t:
+            name = next(n for n in t.getnames() if n.endswith(member))
+            data = t.extractfile(name).read()
+    if member.endswith(".bz2"):
+        data = bz2.decompress(data)
+    return data.decode("utf-8")
+
+
+def _cached_member(cached: str, member: str, convert=lambda text: text) -> str:
+    """``convert(text of member)``, from ``cache_dir()/cached`` or, once, from a downloaded gensim."""
+    path = os.path.join(cache_dir(), cached)
+    if not os.path.exists(path):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                                "-d", tmp, GENSIM_REQ], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"pip download {GENSIM_REQ} failed: {r.stderr.strip()[-2000:]}")
+            archive = glob.glob(os.path.join(tmp, "gensim-*"))[0]
+            text = convert(_read_member(archive, member))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def lee_documents(path: str | None = None) -> list[str]:
     """The corpus's documents. ``path``: a .cor file or a gensim wheel/sdist; default: cached download."""
     if path is None:
-        path = os.path.join(cache_dir(), "lee_background.cor")
-        if not os.path.exists(path):
-            with tempfile.TemporaryDirectory() as tmp:
-                r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                                    "-d", tmp, GENSIM_REQ], capture_output=True, text=True)
-                if r.returncode:
-                    raise RuntimeError(f"pip download {GENSIM_REQ} failed: {r.stderr.strip()[-2000:]}")
-                archive = glob.glob(os.path.join(tmp, "gensim-*"))[0]
-                text = _read_member(archive)
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(path + ".tmp", path)
-    if not path.endswith(".cor"):
+        text = _cached_member("lee_background.cor", MEMBER)
+    elif not path.endswith(".cor"):
         text = _read_member(path)
     else:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+_TEXT_RE = re.compile(r"<text[^>]*>(.*?)</text>", re.S)
+
+
+def wiki_plain_text(xml: str) -> str:
+    """The prose of a MediaWiki XML dump, one article per line: its paragraphs before the
+    first section heading, with templates, tables, references, files and markup removed."""
+    out = []
+    for m in _TEXT_RE.finditer(xml):
+        t = html.unescape(m.group(1))
+        if t.lstrip().upper().startswith("#REDIRECT"):
+            continue
+        t = re.sub(r"<!--.*?-->", "", t, flags=re.S)
+        t = re.sub(r"<ref[^>]*/>", "", t)
+        t = re.sub(r"<ref[^>]*>.*?</ref>", "", t, flags=re.S)
+        for _ in range(4):                                   # nested templates and tables
+            t = re.sub(r"\{\{[^{}]*\}\}", "", t)
+            t = re.sub(r"\{\|.*?\|\}", "", t, flags=re.S)
+        t = t.split("\n==")[0]                                # the lead section
+        t = re.sub(r"\[\[(?:File|Image|Category):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", t)
+        t = re.sub(r"\[\[(?:[^|\]]*\|)?([^\]]*)\]\]", r"\1", t)
+        t = re.sub(r"\[https?://\S+ ?([^\]]*)\]", r"\1", t)
+        t = re.sub(r"'{2,}", "", t)
+        t = re.sub(r"<[^>]+>", "", t)
+        paras = [p.strip() for p in t.split("\n") if p.strip() and p.strip()[0] not in "*#:;|!{}"]
+        text = " ".join(paras)
+        text = re.sub(r"\s+", " ", re.sub(r"\(\s*[,;]?\s*\)", "", text)).strip()
+        if len(text) > 200:
+            out.append(text)
+    return "\n".join(out)
+
+
+def wiki_documents() -> list[str]:
+    """The Wikipedia text's articles (lead sections), cached after one gensim download."""
+    text = _cached_member("enwiki_leads.txt", WIKI_MEMBER, wiki_plain_text)
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def documents(text: str = "lee", path: str | None = None) -> list[str]:
+    """The documents of ``text`` (one of `TEXTS`); ``path`` overrides the Lee corpus file."""
+    if text == "lee":
+        return lee_documents(path)
+    if text == "wiki":
+        return wiki_documents()
+    raise ValueError(f"text must be one of {TEXTS}, got {text!r}")
