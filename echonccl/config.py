@@ -5,7 +5,7 @@
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
 | ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl or auto     | auto    |
 | ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
-| ECHONCCL_CODEC            | int4 or int4-h32 (rotated; `codec`)                  | int4    |
+| ECHONCCL_CODEC            | int4-h32 (rotated) or int4 (`codec`)                 | int4-h32 |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |

@@ -65,12 +65,13 @@ class Feedback:
         self.codec: str | None = None
         self.residuals: Residuals | None = None
 
-    def bind(self, key: tuple, layout, input_dtype, zeros, codec: str = "int4") -> Residuals | None:
-        """Residuals for a call of ``key`` = (count, nranks, group, dtype name) with ``codec``;
-        None if disabled. ``zeros(n, dtype)`` allocates a zeroed engine array.
+    def bind(self, key: tuple, layout, input_dtype, zeros, codec: str | None = None) -> Residuals | None:
+        """Residuals for a call of ``key`` = (count, nranks, group, dtype name) with ``codec``
+        (default: the layout's); None if disabled. ``zeros(n, dtype)`` allocates a zeroed engine array.
         """
         if not self.enabled:
             return None
+        codec = layout.codec if codec is None else codec
         self.check_key(key, codec)
         if self.key is None:
             dt = np.dtype("float32") if self.residual_dtype == "float32" else input_dtype

@@ -23,7 +23,7 @@ class Layout:
     nranks: int
     group: int
     quantum: int = codec.SLICE_QUANTUM
-    codec: str = codec.DEFAULT_CODEC
+    codec: str = "int4"
 
     def __post_init__(self):
         if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % codec.SLICE_QUANTUM:

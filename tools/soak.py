@@ -303,6 +303,18 @@ def main(argv=None) -> int:
     return code
 
 
+def _owed(r, codec_name: str):
+    """(what residuals ``r`` owe the sum, a bound of its magnitude), float64, in the values'
+    domain: for the rotated codec the exact inverse rotation, bounded by the block's sum of |r|."""
+    from echonccl import codec
+
+    r64 = r.astype(np.float64)
+    if not codec.rotated(codec_name):
+        return r64, np.abs(r64)
+    mag = np.repeat(np.abs(r64).reshape(-1, codec.ROT_BLOCK).sum(axis=1), codec.ROT_BLOCK)
+    return codec.residual_values(r64, codec_name), mag
+
+
 def _residual_total(fb, world, count: int):
     """(sum over ranks, sum over ranks of magnitudes) of a state's residuals, per element;
     zeros while unbound; None when the state is off."""
@@ -311,10 +323,11 @@ def _residual_total(fb, world, count: int):
         return None
     if sd["key"] is None:
         return np.zeros(count), np.zeros(count)
-    e_in = sd["inputs"].astype(np.float64)
-    total = world.allreduce(np.stack([e_in, np.abs(e_in)]))
-    e_out = sd["output"].astype(np.float64)
-    outs = world.allgather(np.stack([e_out, np.abs(e_out)]))
+    cd = sd["codec"]
+    e_in, e_in_abs = _owed(sd["inputs"], cd)
+    total = world.allreduce(np.stack([e_in, e_in_abs]))
+    e_out, e_out_abs = _owed(sd["output"], cd)
+    outs = world.allgather(np.stack([e_out, e_out_abs]))
     total = total + np.concatenate(outs, axis=1)
     return total[0, :count], total[1, :count]
 
@@ -371,8 +384,11 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
         worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
         return None if worst <= 1 else f"feedback bookkeeping off by {worst:.3g}x its float32 tolerance"
     else:
+        from echonccl import codec
+
         hops = 2 if algo == "two_shot" else P
-        bound, kind = hops * (1 + 1 / 7) ** P * amax_sum / 14 + rounding, "4-bit bound"
+        k = 32 if codec.rotated(comm.config.codec) else 1     # int4-h32: 32 rotated errors per element
+        bound, kind = k * hops * (1 + 1 / 7) ** P * amax_sum / 14 + rounding, "4-bit bound"
     err = np.abs(y - exact)
     worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
     return None if worst <= 1 else f"error {worst:.3g}x the {kind}"
