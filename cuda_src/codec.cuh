@@ -343,6 +343,64 @@ __device__ __forceinline__ void add_terms(float (&acc)[8], const float (&t)[8]) 
     for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], t[i]);
 }
 
+// ------------------------------------------------------- rotation (int4-h32)
+// The rotated codec (codec.py, "Codecs"): every block of 32 consecutive elements
+// of a slice is multiplied by a fixed sign-randomized Hadamard matrix before its
+// first quantization and rotated back after its last decode. Thread mapping: a
+// block is 4 consecutive lanes (lane-in-block lb = t & 3, elements 8*lb .. 8*lb+7),
+// so a group of G elements holds G/32 whole blocks. Stages h = 1, 2, 4 are inside
+// a thread, h = 8 and 16 exchange with lane ^ 1 and lane ^ 2: EVERY lane of the
+// warp must call these functions together (full-mask shuffles), outside any
+// branch that depends on the data. Both are bit-exact with codec.rotate/unrotate:
+// add.rn/sub.rn/mul.rn only, each pair computed as fl(a + b), fl(a - b) in the
+// same order as numpy, the signs applied as exact sign-bit flips.
+constexpr u32 kRotSigns = 0x6A09E667u;   // bit i set: s_i = -1 (codec.ROT_SIGNS)
+constexpr u32 kRotScale = 0x3d000000u;   // 2^-5, the forward's exact 1/32
+constexpr int kRotLanes = 4;             // lanes per 32-element block
+
+// The 8 sign bits (as float sign masks) of lane-in-block lb: bit j -> element 8*lb + j.
+__device__ __forceinline__ u32 rot_sign_byte(int lb) { return (kRotSigns >> (8 * lb)) & 0xffu; }
+
+// The five butterfly stages h = 1, 2, 4, 8, 16 (unnormalized Walsh-Hadamard) of one block.
+__device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if ((j & h) == 0) {
+                const float a = v[j], b = v[j + h];
+                v[j] = add_rn(a, b);
+                v[j + h] = sub_rn(a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int x = 1; x < kRotLanes; x <<= 1) {   // h = 8 (lane ^ 1), h = 16 (lane ^ 2)
+        const bool upper = (lb & x) != 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
+            v[j] = upper ? sub_rn(o, v[j]) : add_rn(v[j], o);
+        }
+    }
+}
+
+// Forward: u_i = fl(x_i * (s_i 2^-5)), then the butterflies.
+__device__ __forceinline__ void rot_forward8(float (&v)[8], int lb) {
+    const u32 sb = rot_sign_byte(lb);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(v[j], bitsf(kRotScale | (((sb >> j) & 1u) << 31)));
+    rot_butterflies8(v, lb);
+}
+
+// Inverse: the butterflies, then x_i = w_i with its sign bit flipped where s_i = -1.
+__device__ __forceinline__ void rot_inverse8(float (&v)[8], int lb) {
+    rot_butterflies8(v, lb);
+    const u32 sb = rot_sign_byte(lb);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = bitsf(fbits(v[j]) ^ (((sb >> j) & 1u) << 31));
+}
+
 // Incoming slices are consumed in batches of this many, so their loads are in flight together.
 #ifndef ECHO_IN_BATCH
 #define ECHO_IN_BATCH 4
@@ -361,7 +419,9 @@ constexpr int kInBatch = ECHO_IN_BATCH;
 // -------------------------------------------------------------- the kernels
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
 // `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
-// `base` (may be null; only read with a residual) has base_n.
+// `base` (may be null; only read with a residual) has base_n. kRot: the rotated
+// codec int4-h32 (own rotated before the sum; the owner's ref measured in the
+// values' domain and rotated back when it is rounded or has a base).
 // Loads of wire bytes: read-only cache path, or L2 only (kPeer: written by another GPU
 // during this kernel, which the non-coherent L1/texture path may not see).
 template <bool kPeer>
@@ -380,7 +440,7 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
 // scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
 // kernel's peers), as they are made.
-template <typename InT, typename ResT, typename RefT, int G, bool kPeer = false>
+template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
@@ -424,6 +484,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         }
         float own_v[8], res_v[8];
         unpack8<InT>(own_r.w, own_v);
+        if constexpr (kRot) rot_forward8(own_v, (int)(t & (kRotLanes - 1)));
 
         // Terms in order, own at own_pos; acc starts at -0.0f, which makes the
         // first addition exact (-0 + x == x for every x, signed zeros included),
@@ -519,6 +580,9 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
             float e[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
+            constexpr bool kRound = Traits<RefT>::kBytes == 2;
+            // int4-h32: what the output holds is in the values' domain (warp-uniform condition).
+            if (kRot && (kRound || base != nullptr)) rot_inverse8(e, (int)(t & (kRotLanes - 1)));
             if (base != nullptr) {
                 const Raw8<RefT> braw = load_raw8<RefT, true>(base, e0, base_n, aligned16(base));
                 float b[8];
@@ -531,6 +595,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
             } else {
                 round_through8<RefT>(e);
             }
+            if (kRot && (kRound || base != nullptr)) rot_forward8(e, (int)(t & (kRotLanes - 1)));
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const float d = sub_rn(acc[i], e[i]);
@@ -556,7 +621,10 @@ __device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
 // out element that is NaN keeps its bits (a non-finite group's NaN, whatever
 // its payload) and a NaN-scale group writes its NaN as without kAcc.
 // Threads [t_first, t_end) of the slice, walked with `stride` (see reduce_quantize_body).
-template <typename OutT, int G, bool kAcc, bool kPeer = false>
+// kRot (int4-h32): the decoded block is rotated back before the output; every
+// lane of a warp then runs (the thread count is rounded up to whole warps, the
+// stores still stop at count) and rotates before the NaN-scale branch.
+template <typename OutT, int G, bool kAcc, bool kRot = false, bool kPeer = false>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
@@ -569,6 +637,7 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
     const i64 base = slice * S;
     i64 nthreads = S >> 3;
     if (count - base < S) nthreads = (count - base + 7) >> 3;
+    if (kRot) nthreads = (nthreads + 31) & ~(i64)31;   // whole warps; still <= S / 8 (a multiple of 64)
     if (t_end < nthreads) nthreads = t_end;
     const bool vec = aligned16(out);
 
@@ -588,6 +657,13 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
         for (int u = 0; u < kU; ++u) {
             const i64 t = t0 + u * stride;
             if (u > 0 && t >= nthreads) break;
+            float v[8];
+            if constexpr (kRot) {   // all lanes: decode and rotate back before any data-dependent branch
+                decode8(w[u], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                rot_inverse8(v, (int)(t & (kRotLanes - 1)));
+            }
             if (abs_bits(scale[u]) > 0x7f800000u) {  // NaN scale: a non-finite group, numpy's NaN bits
                 OutT o[8];
                 const OutT nan = Traits<OutT>::nan_of_scale(fbits(scale[u]));
@@ -595,10 +671,11 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
                 for (int i = 0; i < 8; ++i) o[i] = nan;
                 store8<OutT>(out, base + (t << 3), count, vec, o);
             } else {
-                float v[8];
-                decode8(w[u], v);
+                if constexpr (!kRot) {
+                    decode8(w[u], v);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                    for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                }
                 if constexpr (kAcc) {
                     // Plain (coherent) loads: this kernel writes `out`.
                     const Raw8<OutT> prev = load_raw8<OutT, false>(out, base + (t << 3), count, vec);

@@ -15,6 +15,7 @@
 //   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
 //   echo_dequantize_acc_<out>_g<G>(...same...)      out += decoded (see dequantize_body)
 //       grid.y = number of slices to decode (ceil(count / S))
+//   and the same three with the suffix _h32: the rotated codec int4-h32 (kRot).
 //
 // with <in>, <out> in {f16, bf16, f32}; <res>, <ref> in {f32, <in>}; G in
 // {32, 64, 128}. echonccl/kernels_cuda.py builds the same names
@@ -38,27 +39,45 @@
 #define ECHO_RQ_MIN_BLOCKS 4
 #endif
 
-#define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \
-    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MIN_BLOCKS)                                      \
-        echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G(                                                       \
-        const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                                \
-        const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                         \
-        unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base, long long base_n) {    \
-        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G>(                                                \
+// The rotated float32-input kernels need a few more registers (the owner's ref is rotated
+// back and forth next to two prefetched 32-byte chunks): 3 blocks per SM, 80 registers, no spills.
+#ifndef ECHO_RQ_MIN_BLOCKS_H32_F32
+#define ECHO_RQ_MIN_BLOCKS_H32_F32 3
+#endif
+#define ECHO_RQ_MINB_false_f16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_false_bf16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_false_f32 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_true_f16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_true_bf16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_true_f32 ECHO_RQ_MIN_BLOCKS_H32_F32
+
+#define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, ROT)                                                   \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB_##ROT##_##IN)                               \
+        NAME(const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                           \
+             const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                    \
+             unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
+             long long base_n) {                                                                                      \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, ROT>(                                           \
             incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
             (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }
+#define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \
+    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G, IN, RES, REF, G, false)    \
+    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_h32, IN, RES, REF, G,     \
+                                   true)
 
-#define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC)                                                                  \
+#define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC, ROT)                                                             \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
         NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
-        echo::dequantize_body<echo::OUT, G, ACC>(wire, out, count, S, blockIdx.y,                                     \
-                                                 (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,            \
-                                                 (long long)gridDim.x * blockDim.x);                                  \
+        echo::dequantize_body<echo::OUT, G, ACC, ROT>(wire, out, count, S, blockIdx.y,                                \
+                                                      (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,       \
+                                                      (long long)gridDim.x * blockDim.x);                             \
     }
 #define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false)                                           \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G, OUT, G, true)
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false, false)                                    \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G, OUT, G, true, false)                                 \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G##_h32, OUT, G, false, true)                               \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G##_h32, OUT, G, true, true)
 
 ECHO_FOR_EACH_GROUP(ECHO_RQ_COMBOS, ECHO_DEFINE_REDUCE_QUANTIZE)
 ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE)

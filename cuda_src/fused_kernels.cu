@@ -112,37 +112,37 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 #define ECHO_PHASE __noinline__
 #endif
 // Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256.
-template <typename T, typename ResT, int G>
+template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
-    reduce_quantize_body<T, ResT, float, G>(nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr, 0,
-                                            j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+    reduce_quantize_body<T, ResT, float, G, kRot>(nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr,
+                                                  0, j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
-template <typename T, typename ResT, int G>
+template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off) {
-    reduce_quantize_body<T, ResT, T, G, true>(incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n,
+    reduce_quantize_body<T, ResT, T, G, kRot, true>(incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n,
                                               j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk, copies, ncopies,
                                               copy_off);
 }
-template <typename T, int G>
+template <typename T, int G, bool kRot>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
     if (accumulate)
-        dequantize_body<T, G, true, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
-                                          ntiles * kChunk);
+        dequantize_body<T, G, true, kRot, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
+                                                ntiles * kChunk);
     else
-        dequantize_body<T, G, false, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
-                                           ntiles * kChunk);
+        dequantize_body<T, G, false, kRot, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
+                                                 ntiles * kChunk);
 }
 
 // The fused two-shot all-reduce. x: this rank's input, x_n elements (0 in a refinement
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
 // at most the slice's chunks and max_tiles (flags per slot).
-template <typename T, typename ResT, int G>
+template <typename T, typename ResT, int G, bool kRot>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -177,7 +177,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G>(x + lo, hi - lo, res_in ? res_in + s * S : nullptr,
+            phase_contribute<T, ResT, G, kRot>(x + lo, hi - lo, res_in ? res_in + s * S : nullptr,
                                          table->recv[s] + slot * slice_bytes, S, j, T_);
             __syncthreads();
             if (threadIdx.x == 0) {
@@ -200,7 +200,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, G>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
+            phase_reduce<T, ResT, G, kRot>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
                                      S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
                                      P - 1, rank * slice_bytes);
             __syncthreads();
@@ -221,7 +221,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, G>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, G, kRot>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
     __syncthreads();
@@ -429,17 +429,19 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 // echo_fused_two_shot_<T>_res<R>_g<G>(const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out,
 //     i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table,
 //     Ctl* ctl, i64 timeout_ns)
-#define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \
+#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, ROT)                                                                     \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
-        echo_fused_two_shot_##T##_res##R##_g##G(const echo::T* x, long long x_n, echo::T* out, long long count,       \
-                                                echo::R* res_in, echo::R* res_out, long long S, long long rank,       \
-                                                long long P, long long ntiles, long long max_tiles,                   \
-                                                long long accumulate, const echo::PeerTable* table, echo::Ctl* ctl,   \
-                                                long long timeout_ns) {                                               \
-        echo::fused_two_shot_body<echo::T, echo::R, G>(x, x_n, out, count, res_in, res_out, S, (int)rank, (int)P,     \
-                                                       ntiles, max_tiles, (int)accumulate, table, ctl,                \
-                                                       (echo::u64)timeout_ns);                                        \
+        NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
+             long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
+             const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
+        echo::fused_two_shot_body<echo::T, echo::R, G, ROT>(x, x_n, out, count, res_in, res_out, S, (int)rank,        \
+                                                            (int)P, ntiles, max_tiles, (int)accumulate, table, ctl,   \
+                                                            (echo::u64)timeout_ns);                                   \
     }
+// Both codecs: int4, and int4-h32 (suffix _h32), as echo_kernels.cu names them.
+#define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G, T, R, G, false)                                     \
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, T, R, G, true)
 // echo_one_shot_<T>(const T* x, T* out, i64 count, i64 rank, i64 P, i64 tile_t, i64 max_tiles,
 //     const PeerTable* table, Ctl* ctl, i64 timeout_ns)
 #define ECHO_DEFINE_ONE_SHOT(T)                                                                                       \

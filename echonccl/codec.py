@@ -46,6 +46,47 @@ Inf always reach the output of their group as non-finite, never as a finite
 number. ``fl(7 * fl(amax / 7))`` never exceeds the largest float32, so finite
 inputs up to any dtype's maximum decode finite.
 
+Codecs: ``int4`` and ``int4-h32`` (rotated)
+--------------------------------------------
+``CODECS`` names the two codecs; both use the byte layout and the group
+encoding above. ``int4`` encodes the values themselves. ``int4-h32`` runs the
+whole all-reduce in a rotated domain: every block of ``ROT_BLOCK`` = 32
+consecutive elements of a slice (blocks aligned with the groups, so a group of
+G >= 32 holds G/32 whole blocks) is multiplied by a fixed sign-randomized
+Hadamard matrix before its first quantization, and the decoded sum is rotated
+back after the last decode. The wire then carries rotated values, and the
+feedback residuals live in the rotated domain (float32 or the input dtype).
+Spreading each element over its block evens out the group's values, so the
+absmax scale wastes fewer of the 15 levels on one outlier.
+
+Signs: ``s_i = -1`` if bit ``i`` of ``ROT_SIGNS`` = 0x6A09E667 is set, else
+``+1`` (i = 0..31, the element's index inside its block). Both transforms are
+float32 with round to nearest even and, per block, in this exact order::
+
+    forward   u_i = fl(x_i * (s_i * 2**-5))              (exact unless |x_i| < 2**-121)
+              for h in 1, 2, 4, 8, 16:                    (pairs i, i+h with i & h == 0)
+                  u_i, u_{i+h} = fl(u_i + u_{i+h}), fl(u_i - u_{i+h})
+    inverse   w = y; the same five butterfly stages on w; x_i = w_i with its sign bit
+              flipped where s_i = -1 (an exact bit operation)
+
+The forward's 1/32 (a power of two) comes first, so no finite input overflows
+in the forward transform (``|u| <= max |x|``); the inverse is the unnormalized
+±1 transform (H H = 32 I). Exact arithmetic would make the inverse exact; in
+float32 the round trip is within a few ulps of the block's largest element.
+A NaN or Inf anywhere in a block makes the whole block, so its group, non-finite:
+NaN/Inf still poison exactly their group. A group whose scale is NaN decodes to
+the scale's NaN in every element, as with ``int4``. Limit: decoded groups
+holding magnitudes near the float32 maximum (above about 2**126, 8.5e37) may
+overflow in the inverse transform and come out +-Inf or NaN (NaN payload then
+unspecified); bfloat16/float16/float32 values below that are unaffected.
+
+The owner's residual is measured in the rotated domain: for a float32 output
+without a base, ``ref = fl(q * scale)`` (the rotated decoded value, as with
+``int4``); otherwise ``ref = forward(o)`` with ``o = round(inverse(fl(q * scale)))``
+(or ``round(base + inverse(...)) - base``), what the output really holds,
+rounded to the output dtype, rotated. Feedback states of one codec are not
+valid for the other (`feedback.Feedback` records the codec).
+
 Residuals (error feedback)
 --------------------------
 The quantizer keeps what rounding lost: ``residual = v - ref`` where ``ref`` is
@@ -62,6 +103,10 @@ import numpy as np
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
+CODECS = ("int4", "int4-h32")
+DEFAULT_CODEC = "int4-h32"
+ROT_BLOCK = 32
+ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512
 QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
@@ -75,6 +120,59 @@ def check_group_size(group: int) -> int:
     if group not in GROUP_SIZES:
         raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group!r}")
     return int(group)
+
+
+def check_codec(codec: str) -> str:
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    return codec
+
+
+def rotated(codec: str) -> bool:
+    """Whether ``codec`` runs in the rotated (Hadamard) domain."""
+    return check_codec(codec) == "int4-h32"
+
+
+_ROT_NEG = np.array([(ROT_SIGNS >> i) & 1 for i in range(ROT_BLOCK)], dtype=bool)
+_ROT_MUL = np.where(_ROT_NEG, _F32(-(2.0 ** -5)), _F32(2.0 ** -5)).astype(_F32)
+_ROT_FLIP = np.where(_ROT_NEG, np.uint32(0x80000000), np.uint32(0)).astype(np.uint32)
+
+
+def _butterflies(u: np.ndarray) -> np.ndarray:
+    """The five unnormalized Hadamard stages h = 1, 2, ..., 16 on rows of 32 float32 values."""
+    for h in (1, 2, 4, 8, 16):
+        y = u.reshape(-1, ROT_BLOCK // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        u = np.stack([a + b, a - b], axis=2).reshape(-1, ROT_BLOCK)
+    return u
+
+
+def rotate(x: np.ndarray) -> np.ndarray:
+    """Forward rotation of float32 ``x`` (length a multiple of 32), block by block (spec above)."""
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        u = np.ascontiguousarray(x, dtype=_F32).reshape(-1, ROT_BLOCK) * _ROT_MUL
+        return _butterflies(u).reshape(-1)
+
+
+def unrotate(y: np.ndarray) -> np.ndarray:
+    """Inverse rotation of float32 ``y`` (length a multiple of 32): butterflies, then sign flips."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = _butterflies(np.ascontiguousarray(y, dtype=_F32).reshape(-1, ROT_BLOCK))
+    return (w.view(np.uint32) ^ _ROT_FLIP).view(_F32).reshape(-1)
+
+
+def residual_values(r: np.ndarray, codec: str) -> np.ndarray:
+    """What residuals ``r`` (any length a multiple of 32 for a rotated codec) owe the sum, in
+    float64 in the values' domain: ``r`` itself for ``int4``, the exact inverse rotation of
+    ``r`` (signs of H r) for ``int4-h32``. For tests and diagnostics."""
+    r = np.asarray(r, dtype=np.float64)
+    if not rotated(codec):
+        return r
+    u = r.reshape(-1, ROT_BLOCK)
+    for h in (1, 2, 4, 8, 16):
+        y = u.reshape(-1, ROT_BLOCK // (2 * h), 2, h)
+        u = np.stack([y[:, :, 0, :] + y[:, :, 1, :], y[:, :, 0, :] - y[:, :, 1, :]], axis=2).reshape(-1, ROT_BLOCK)
+    return (u * np.where(_ROT_NEG, -1.0, 1.0)).reshape(r.shape)
 
 
 def slice_bytes(slice_elems: int, group: int) -> int:

@@ -38,10 +38,12 @@ class CallSignature(NamedTuple):
     group: int
     no_feedback: bool
     rounds: int
+    codec: str
 
     def describe(self) -> str:
         return (f"count={self.count} shape={self.shape} dtype={self.dtype} algorithm={self.algorithm} "
-                f"group={self.group} rounds={self.rounds}{' no feedback' if self.no_feedback else ''}")
+                f"group={self.group} rounds={self.rounds} codec={self.codec}"
+                f"{' no feedback' if self.no_feedback else ''}")
 
 
 class _WireBuffers:
@@ -107,19 +109,22 @@ class Communicator:
     ``device`` picks the GPU (default: the node-local rank) and becomes the current
     device of the calling thread: create the communicator before the arrays it reduces.
     ``cache_bytes`` bounds the workspaces and default feedback states kept for sizes not
-    in use (README "Memory"). Options may be overridden by ``ECHONCCL_*`` variables
-    (`config`). Call `close` when done.
+    in use (README "Memory"). ``codec``: ``"int4-h32"`` (default: each 32-element block
+    rotated by a signed Hadamard transform before quantizing, about 3x less perplexity loss
+    on a real model at the same bytes) or ``"int4"`` (`codec`). Options may be overridden by
+    ``ECHONCCL_*`` variables (`config`). Call `close` when done.
     """
 
     def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
-                 crossover_bytes=None, timeout=None, rounds=None, device=None, cache_bytes=None):
+                 crossover_bytes=None, timeout=None, rounds=None, device=None, cache_bytes=None,
+                 codec=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
                                       crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds,
-                                      cache_bytes=cache_bytes)
+                                      cache_bytes=cache_bytes, codec=codec)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
@@ -181,7 +186,8 @@ class Communicator:
             # here on, a failure may leave the ranks out of step: it marks the communicator failed.
             self._check_consistent(CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name,
                                                  algorithm=algo, group=self.config.group_size,
-                                                 no_feedback=feedback is False, rounds=rounds))
+                                                 no_feedback=feedback is False, rounds=rounds,
+                                                 codec=self.config.codec))
             try:
                 if xa.size == 0:
                     pass
@@ -235,8 +241,14 @@ class Communicator:
 
     def load_feedback(self, state: dict) -> Feedback:
         """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine;
-        a corrupt state (missing entries, wrong sizes or dtypes, NaN or Inf residuals)
-        raises `EchoncclError`."""
+        a corrupt state (missing entries, wrong sizes or dtypes, NaN or Inf residuals) or a
+        state of another codec than this communicator's raises `EchoncclError`."""
+        if hasattr(state, "get"):
+            saved = state.get("codec", "int4") if state.get("version", 1) != 1 else "int4"
+            saved = saved.item() if hasattr(saved, "item") else saved
+            if state.get("key") is not None and saved != self.config.codec:
+                raise EchoncclError(f"feedback state was saved by codec {saved!r}, this communicator uses "
+                                    f"{self.config.codec!r}: residuals of one codec mean nothing to the other")
         fb = Feedback()
         fb.load_state_dict(state, zeros=self.engine.zeros)
         return fb
@@ -365,7 +377,7 @@ class Communicator:
         if not isinstance(feedback, Feedback):
             raise TypeError(f"feedback must be a Feedback, False or None, not {type(feedback).__name__}")
         if feedback.enabled:
-            feedback.check_key((count, self.size, self.config.group_size, name))
+            feedback.check_key((count, self.size, self.config.group_size, name), self.config.codec)
 
     def _rounds(self, rounds, feedback, algo: str) -> int:
         """The call's round count: 1 for the exact baseline and, unless asked for explicitly
@@ -386,11 +398,11 @@ class Communicator:
             return None
         key = (layout.count, layout.nranks, layout.group, name)
         if feedback is not None:
-            return feedback.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+            return feedback.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros, self.config.codec)
         fb = entry.obj
         if fb.enabled and fb.residuals is None:        # about to allocate float32 residuals
             self._make_room(4 * (layout.padded + layout.slice_elems), (ws_entry, entry), capturing)
-        state = fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros)
+        state = fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros, self.config.codec)
         self._cache.resize(entry, _feedback_bytes(fb))
         self._use(entry, capturing)
         return state
@@ -405,7 +417,8 @@ class Communicator:
     def _layout(self, count: int) -> Layout:
         layout = self._layouts.get(count)
         if layout is None:
-            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size)
+            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size,
+                                                   codec=self.config.codec)
             if len(self._layouts) > _MAX_SIGNATURES:
                 self._layouts.popitem(last=False)
         return layout

@@ -5,6 +5,7 @@
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
 | ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl, one_shot or auto | auto |
 | ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
+| ECHONCCL_CODEC            | int4-h32 (rotated) or int4 (`codec`)                 | int4-h32 |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |
@@ -39,6 +40,7 @@ class Config:
     engine: str = "auto"
     algorithm: str = "auto"
     group_size: int = codec.DEFAULT_GROUP_SIZE
+    codec: str = codec.DEFAULT_CODEC
     crossover_bytes: int | None = None
     timeout: float = 300.0
     rounds: int = 1
@@ -50,6 +52,7 @@ class Config:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         codec.check_group_size(self.group_size)
+        codec.check_codec(self.codec)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         check_rounds(self.rounds)
@@ -68,6 +71,7 @@ _ENV = {
     "engine": ("ECHONCCL_ENGINE", str),
     "algorithm": ("ECHONCCL_ALGO", str),
     "group_size": ("ECHONCCL_GROUP_SIZE", int),
+    "codec": ("ECHONCCL_CODEC", str),
     "crossover_bytes": ("ECHONCCL_CROSSOVER_BYTES", int),
     "timeout": ("ECHONCCL_TIMEOUT", float),
     "rounds": ("ECHONCCL_ROUNDS", int),

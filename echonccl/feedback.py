@@ -47,7 +47,15 @@ class Feedback:
     ``"input"`` (the input dtype, half the memory, coarser feedback).
     ``enabled = False`` turns feedback off: calls then neither read nor write
     the residuals. Calls using one state must be ordered (one stream).
+
+    The state also records the codec that wrote it (``codec``, set on binding):
+    ``int4-h32`` keeps its residuals in the rotated domain, so a state of one codec
+    is refused (`EchoncclError`) by a call or a communicator of the other.
+    `state_dict` is versioned (``STATE_VERSION``); a state without a version
+    (written before codecs existed) is an ``int4`` state.
     """
+
+    STATE_VERSION = 2
 
     def __init__(self, residual_dtype: str = "float32", enabled: bool = True):
         if residual_dtype not in ("float32", "input"):
@@ -55,28 +63,34 @@ class Feedback:
         self.residual_dtype = residual_dtype
         self.enabled = enabled
         self.key = None
+        self.codec: str | None = None
         self.residuals: Residuals | None = None
 
-    def bind(self, key: tuple, layout, input_dtype, zeros) -> Residuals | None:
-        """Residuals for a call of ``key`` = (count, nranks, group, dtype name); None if disabled.
-
-        ``zeros(n, dtype)`` allocates a zeroed engine array.
+    def bind(self, key: tuple, layout, input_dtype, zeros, codec: str | None = None) -> Residuals | None:
+        """Residuals for a call of ``key`` = (count, nranks, group, dtype name) with ``codec``
+        (default: the layout's); None if disabled. ``zeros(n, dtype)`` allocates a zeroed engine array.
         """
         if not self.enabled:
             return None
-        self.check_key(key)
+        codec = layout.codec if codec is None else codec
+        self.check_key(key, codec)
         if self.key is None:
             dt = np.dtype("float32") if self.residual_dtype == "float32" else input_dtype
             self.residuals = Residuals(zeros(layout.padded, dt), zeros(layout.slice_elems, dt))
             self.key = key
+            self.codec = codec
         return self.residuals
 
-    def check_key(self, key: tuple) -> None:
-        """`EchoncclError` if this state is bound to another (count, ranks, group, dtype) than ``key``."""
+    def check_key(self, key: tuple, codec: str | None = None) -> None:
+        """`EchoncclError` if this state is bound to another (count, ranks, group, dtype) than ``key``,
+        or (``codec`` given) holds the residuals of another codec."""
         if self.key is not None and self.key != tuple(key):
             raise EchoncclError(
                 f"feedback state is bound to (count, ranks, group, dtype) = {self.key}, "
                 f"this call is {tuple(key)}: use one Feedback per stream of same-shaped all-reduces")
+        if codec is not None and self.codec is not None and self.codec != codec:
+            raise EchoncclError(f"feedback state holds residuals of codec {self.codec!r}, this call uses "
+                                f"{codec!r}: use one Feedback per codec")
 
     def reset(self) -> None:
         """Zero the residuals in place (their buffers are kept)."""
@@ -86,7 +100,8 @@ class Feedback:
 
     def state_dict(self) -> dict:
         """A checkpoint: plain numpy copies of the residuals and the binding key."""
-        out = {"residual_dtype": self.residual_dtype, "enabled": self.enabled, "key": self.key}
+        out = {"version": self.STATE_VERSION, "codec": self.codec, "residual_dtype": self.residual_dtype,
+               "enabled": self.enabled, "key": self.key}
         if self.residuals is not None:
             out["inputs"] = _to_numpy(self.residuals.inputs)
             out["output"] = _to_numpy(self.residuals.output)
@@ -97,20 +112,33 @@ class Feedback:
         state needs ``zeros`` (the engine allocator; `Communicator.load_feedback` passes it).
 
         The residuals come back in the dtype the key and ``residual_dtype`` imply, also
-        from files that lost it (``np.savez`` stores bfloat16 as raw 2-byte void); arrays
-        of the wrong size for the key raise `EchoncclError`."""
+        from files that lost it (``np.savez`` stores bfloat16 as raw 2-byte void). A corrupt
+        state (a missing entry, wrong sizes or dtypes, NaN or Inf residuals, an unknown
+        version or codec, another codec than a bound state's) raises `EchoncclError` and
+        changes nothing. States without a version (1) are the int4 codec's."""
         if not hasattr(d, "get") or not hasattr(d, "__getitem__"):
             raise EchoncclError(f"bad feedback state: a dict from Feedback.state_dict expected, "
                                 f"not {type(d).__name__}")
         residual_dtype, enabled, key = (_entry(d, k) for k in ("residual_dtype", "enabled", "key"))
-        residual_dtype, enabled = _as_str(residual_dtype), bool(enabled)
+        residual_dtype, enabled = _plain(residual_dtype), bool(enabled)
         if residual_dtype not in ("float32", "input"):
             raise EchoncclError(f"bad feedback state: residual_dtype {residual_dtype!r}")
+        version, codec = _plain(d.get("version", 1)), _plain(d.get("codec", "int4"))
+        if version not in (1, self.STATE_VERSION):
+            raise EchoncclError(f"bad feedback state: version {version!r} (this echonccl reads 1 and "
+                                f"{self.STATE_VERSION})")
+        if version == 1:
+            codec = "int4"                              # states before codecs: the int4 codec's
         key = _normalize_key(key)
         if key is None:
             self.residual_dtype, self.enabled = residual_dtype, enabled
-            self.key, self.residuals = None, None
+            self.key, self.residuals, self.codec = None, None, None
             return
+        if codec not in ("int4", "int4-h32"):
+            raise EchoncclError(f"bad feedback state: codec {codec!r}")
+        if self.key is not None and self.codec is not None and self.codec != codec:
+            raise EchoncclError(f"feedback state of codec {codec!r} cannot load into a state bound "
+                                f"to codec {self.codec!r}")
         try:
             dt = np.dtype("float32") if residual_dtype == "float32" else dtypes.numpy_dtype(key[3])
             layout = Layout(key[0], key[1], key[2])
@@ -128,7 +156,7 @@ class Feedback:
                                     "use Communicator.load_feedback")
             self.residuals = Residuals(zeros(inputs.size, dt), zeros(output.size, dt))
             self.key = key
-        self.residual_dtype, self.enabled = residual_dtype, enabled
+        self.residual_dtype, self.enabled, self.codec = residual_dtype, enabled, codec
         _copy_into(self.residuals.inputs, inputs)
         _copy_into(self.residuals.output, output)
 
@@ -141,8 +169,8 @@ def _entry(d, name: str):
                             "residual_dtype, enabled, key and, once bound, inputs and output)") from None
 
 
-def _as_str(v):
-    """A string saved as itself or as a 0-d numpy array (np.savez)."""
+def _plain(v):
+    """A scalar from a state field, also when ``np.savez`` made it a 0-d array."""
     return v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
 
 

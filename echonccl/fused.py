@@ -53,8 +53,8 @@ def available(comm, device_id: int, allgather) -> bool:
     return all(allgather(ok))
 
 
-def fused_name(dtype: str, res: str, group: int) -> str:
-    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}"
+def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4") -> str:
+    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}"
 
 
 def one_shot_name(dtype: str, low_latency: bool = False) -> str:
@@ -67,9 +67,9 @@ _FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("bf16", "f32"), ("bf16", "bf16
 
 def entry_points() -> list[str]:
     """Every kernel ``fused_kernels.cu`` defines."""
-    from .codec import GROUP_SIZES
+    from .codec import CODECS, GROUP_SIZES
 
-    names = [fused_name(t, r, g) for g in GROUP_SIZES for t, r in _FUSED_COMBOS]
+    names = [fused_name(t, r, g, c) for g in GROUP_SIZES for t, r in _FUSED_COMBOS for c in CODECS]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 
@@ -191,7 +191,7 @@ class FusedPaths:
         else:
             res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
             r = _SHORT[dtypes.canonical(state.inputs.dtype)]
-        kern = self.module.kernel(fused_name(t, r, G))
+        kern = self.module.kernel(fused_name(t, r, G, layout.codec))
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]

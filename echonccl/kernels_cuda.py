@@ -61,18 +61,30 @@ _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
 # --------------------------------------------------------------------------- names
-def reduce_quantize_name(in_t: str, res_t: str, ref_t: str, group: int) -> str:
-    return f"echo_reduce_quantize_{in_t}_res{res_t}_ref{ref_t}_g{group}"
+_CODEC_SUFFIX = {"int4": "", "int4-h32": "_h32"}
 
 
-def dequantize_name(out_t: str, group: int, accumulate: bool = False) -> str:
-    return f"echo_dequantize_{'acc_' if accumulate else ''}{out_t}_g{group}"
+def codec_suffix(codec_name: str) -> str:
+    """What a kernel name ends with for ``codec_name`` (`codec.CODECS`): nothing for int4."""
+    return _CODEC_SUFFIX[codec_name]
+
+
+def reduce_quantize_name(in_t: str, res_t: str, ref_t: str, group: int, codec_name: str = "int4") -> str:
+    return f"echo_reduce_quantize_{in_t}_res{res_t}_ref{ref_t}_g{group}{_CODEC_SUFFIX[codec_name]}"
+
+
+def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name: str = "int4") -> str:
+    return f"echo_dequantize_{'acc_' if accumulate else ''}{out_t}_g{group}{_CODEC_SUFFIX[codec_name]}"
 
 
 def entry_points() -> list[str]:
     """Every kernel name ``echo_kernels.cu`` defines (the same list, built the same way)."""
-    names = [reduce_quantize_name(i, r, f, g) for g in codec.GROUP_SIZES for i, r, f in _RQ_COMBOS]
-    names += [dequantize_name(o, g, acc) for g in codec.GROUP_SIZES for o in _DQ_TYPES for acc in (False, True)]
+    names = []
+    for g in codec.GROUP_SIZES:
+        for i, r, f in _RQ_COMBOS:
+            names += [reduce_quantize_name(i, r, f, g, c) for c in codec.CODECS]
+        for o in _DQ_TYPES:
+            names += [dequantize_name(o, g, acc, c) for acc in (False, True) for c in codec.CODECS]
     return names
 
 
@@ -214,8 +226,8 @@ class CudaKernels:
         self.blocks_per_sm = int(blocks_per_sm)
         self.dq_blocks_per_sm = int(dq_blocks_per_sm)
         self.check = check
-        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G) -> RawKernel
-        self._dq: dict = {}       # (out dtype, G, accumulate) -> (RawKernel, unroll)
+        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G, codec) -> RawKernel
+        self._dq: dict = {}       # (out dtype, G, accumulate, codec) -> (RawKernel, unroll)
         self._geoms: dict = {}    # (layout, device) -> Geometry
         self._sms: dict = {}      # device -> multiprocessor count
 
@@ -258,7 +270,7 @@ class CudaKernels:
 
     # -- kernel lookup ---------------------------------------------------------
     def _rq_kernel(self, key):
-        in_dt, res_dt, ref_dt, group = key
+        in_dt, res_dt, ref_dt, group, codec_name = key
         i = _short(in_dt)
         if res_dt is None:
             r = f = "f32"  # feedback off: any instantiation; the residual pointer is null
@@ -268,14 +280,16 @@ class CudaKernels:
             if r not in ("f32", i) or f not in ("f32", i):
                 raise TypeError(f"reduce_quantize: residual {res_dt} and ref {ref_dt} must each be "
                                 f"float32 or the input dtype {in_dt}")
-        k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group)))
+        k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group),
+                                                codec.check_codec(codec_name)))
         self._rq[key] = k
         return k
 
     def _dq_kernel(self, key):
-        out_dt, group, accumulate = key
+        out_dt, group, accumulate, codec_name = key
         t = _short(out_dt)
-        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group), accumulate)), _DQ_UNROLL[t])
+        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group), accumulate,
+                                            codec.check_codec(codec_name))), _DQ_UNROLL[t])
         self._dq[key] = k
         return k
 
@@ -284,7 +298,7 @@ class CudaKernels:
         geo = self._geom(layout)
         S, G, B = geo.slice_elems, geo.group, geo.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
-        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, G)
+        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, G, layout.codec)
         kern = self._rq.get(key) or self._rq_kernel(key)
         if residual is None:
             base = None                      # only the residual reads it
@@ -309,7 +323,7 @@ class CudaKernels:
             return
         geo = self._geom(layout)
         S, B = geo.slice_elems, geo.slice_bytes
-        key = (out.dtype, geo.group, bool(accumulate))
+        key = (out.dtype, geo.group, bool(accumulate), layout.codec)
         kern, unroll = self._dq.get(key) or self._dq_kernel(key)
         n = -(-count // S)
         if self.check:

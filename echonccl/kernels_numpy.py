@@ -26,9 +26,11 @@ class NumpyKernels:
     def reduce_quantize(self, layout: Layout, incoming, own_pos: int, own: np.ndarray,
                         residual, wire_out: np.ndarray, ref_dtype, base=None) -> None:
         S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
+        rot = codec.rotated(layout.codec)
         n_in = 0 if incoming is None else incoming.size // B
         terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G) for i in range(n_in)]
-        terms.insert(own_pos, _padded_f32(own, S))
+        mine = _padded_f32(own, S)
+        terms.insert(own_pos, codec.rotate(mine) if rot else mine)
         acc = terms[0].copy()
         with np.errstate(invalid="ignore", over="ignore"):
             for t in terms[1:]:
@@ -42,11 +44,15 @@ class NumpyKernels:
         if residual is not None:
             ref = codec.dequantize_groups(q, scale, G)
             with np.errstate(over="ignore", invalid="ignore"):
+                if rot and (base is not None or np.dtype(ref_dtype) != _F32):
+                    ref = codec.unrotate(ref)        # what the output holds, then rotated back
                 if base is not None:                 # what accumulating into base really adds
                     b = _padded_f32(base, S)
                     ref = (b + ref).astype(ref_dtype).astype(_F32) - b
                 elif np.dtype(ref_dtype) != _F32:
                     ref = ref.astype(ref_dtype).astype(_F32)
+                if rot and (base is not None or np.dtype(ref_dtype) != _F32):
+                    ref = codec.rotate(ref)
             residual[:] = codec.residual_of(acc, ref, residual.dtype)
 
     def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
@@ -55,13 +61,16 @@ class NumpyKernels:
         w = wire[: n * B].reshape(n, B)
         q = codec.unpack_codes(np.ascontiguousarray(w[:, : S // 2]).reshape(-1))
         scale = np.ascontiguousarray(w[:, S // 2:]).view(codec.SCALE_DTYPE).reshape(-1)
-        values = codec.dequantize_groups(q, scale, G)[: out.size]
+        values = codec.dequantize_groups(q, scale, G)
+        nan_group = np.repeat(np.isnan(scale), G)
+        if codec.rotated(layout.codec):              # a NaN-scale group keeps the scale's NaN bits
+            values = np.where(nan_group, values, codec.unrotate(values))
+        values, nan_group = values[: out.size], nan_group[: out.size]
         with np.errstate(over="ignore", invalid="ignore"):   # beyond the output dtype's range: +-Inf, by design
             if not accumulate:
                 out[:] = values.astype(out.dtype)
                 return
             total = (out.astype(_F32) + values).astype(out.dtype)
-            nan_group = np.isnan(values)
             total[nan_group] = values[nan_group].astype(out.dtype)
             keep = np.isnan(out) & ~nan_group                # a NaN already there keeps its bits
         total[keep] = out[keep]

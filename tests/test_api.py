@@ -119,6 +119,7 @@ def test_call_signature_names_its_fields():
     from echonccl.communicator import CallSignature
 
     sig = CallSignature(count=6, shape=(2, 3), dtype="bfloat16", algorithm="ring", group=32,
-                        no_feedback=True, rounds=1)
+                        no_feedback=True, rounds=1, codec="int4-h32")
     assert CallSignature(*tuple(sig)) == sig and sig._fields[0] == "count"
-    assert sig.describe() == "count=6 shape=(2, 3) dtype=bfloat16 algorithm=ring group=32 rounds=1 no feedback"
+    assert sig.describe() == ("count=6 shape=(2, 3) dtype=bfloat16 algorithm=ring group=32 rounds=1 "
+                              "codec=int4-h32 no feedback")

@@ -43,8 +43,11 @@ def _ptx(src, *flags):
 @pytest.mark.nvcc
 def test_entry_points_match_the_list(checked):
     assert sorted(checked["entries"]) == sorted(kc.entry_points())
-    assert len(kc.entry_points()) == 27 + 18     # reduce_quantize 9 x 3 groups; dequantize 3 x 3 x 2
+    # reduce_quantize 9 x 3 groups; dequantize 3 x 3 x 2; each for the 2 codecs (int4, int4-h32)
+    assert len(kc.entry_points()) == 2 * (27 + 18)
     assert "echo_reduce_quantize_bf16_resf32_refbf16_g32" in checked["entries"]
+    assert "echo_reduce_quantize_bf16_resf32_refbf16_g32_h32" in checked["entries"]
+    assert "echo_dequantize_acc_f16_g64_h32" in checked["entries"]
     assert "echo_dequantize_f16_g128" in checked["entries"]
     assert "echo_dequantize_acc_bf16_g32" in checked["entries"]
 
@@ -53,8 +56,13 @@ def test_entry_points_match_the_list(checked):
 def test_no_spills_and_registers(checked):
     assert set(checked["registers"]) == set(kc.entry_points()), checked["log"]
     assert all(v == 0 for v in checked["spills"].values()), checked["spills"]
-    # __launch_bounds__(256) allows 255; stay well below for occupancy.
-    assert max(checked["registers"].values()) <= 64, checked["registers"]
+    # __launch_bounds__(256) allows 255; stay well below for occupancy: 64 (4 blocks of 256 per
+    # SM), except the rotated float32-input reduce_quantize, built for 3 blocks per SM (80).
+    regs = checked["registers"]
+    wide = {n for n in regs if n.startswith("echo_reduce_quantize_f32_") and n.endswith("_h32")}
+    assert len(wide) == 3
+    assert max(v for n, v in regs.items() if n not in wide) <= 64, regs
+    assert max(regs[n] for n in wide) <= 80, regs
 
 
 @pytest.mark.nvcc

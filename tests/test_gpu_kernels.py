@@ -6,6 +6,10 @@ included), own contributions full / partial / odd / empty / unaligned, the own
 term at every kind of position, residuals fed back over consecutive calls;
 then dequantize into every output dtype, full, partial and unaligned.
 Equality is on bytes: wire bytes, residual bits, output bits (NaNs included).
+Every test runs with both codecs (``int4`` and the rotated ``int4-h32``); for the
+rotated one the huge values stay within its documented range (2**124 here), beyond
+which an overflow inside the inverse transform makes a NaN whose payload differs
+between numpy and CUDA.
 """
 from __future__ import annotations
 
@@ -51,9 +55,11 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(UINT[a.dtype.itemsize])
 
 
-def adversarial_f32(rng, n: int, dtype: np.dtype, group: int) -> np.ndarray:
+def adversarial_f32(rng, n: int, dtype: np.dtype, group: int, cd: str = "int4") -> np.ndarray:
     """float32 values, one kind of trouble per group, then random normal groups of varied scales."""
     info_max = float(np.finfo(dtype).max) if dtype != BF16 else float(ml_dtypes.finfo(BF16).max)
+    if codec.rotated(cd):
+        info_max = min(info_max, 2.0 ** 124)
     v = (rng.standard_normal(n) * np.repeat(10.0 ** rng.integers(-4, 4, n // group), group)).astype(np.float32)
     g = [v[i * group:(i + 1) * group] for i in range(n // group)]
     g[0][:] = 0                                            # all zero
@@ -77,8 +83,8 @@ def adversarial_f32(rng, n: int, dtype: np.dtype, group: int) -> np.ndarray:
     return v.reshape(-1, group)[rng.permutation(n // group)].reshape(-1)  # kinds at varied places
 
 
-def make_own(rng, n: int, dtype, group: int) -> np.ndarray:
-    return adversarial_f32(rng, S, dtype, group)[:n].astype(dtype)
+def make_own(rng, n: int, dtype, group: int, cd: str = "int4") -> np.ndarray:
+    return adversarial_f32(rng, S, dtype, group, cd)[:n].astype(dtype)
 
 
 def make_incoming(rng, layout: Layout, n_in: int, dtype) -> np.ndarray:
@@ -86,7 +92,7 @@ def make_incoming(rng, layout: Layout, n_in: int, dtype) -> np.ndarray:
     B = layout.slice_bytes
     wire = np.zeros(n_in * B, dtype=np.uint8)
     for i in range(n_in):
-        NK.reduce_quantize(layout, None, 0, make_own(rng, S, dtype, layout.group), None,
+        NK.reduce_quantize(layout, None, 0, make_own(rng, S, dtype, layout.group, layout.codec), None,
                            wire[i * B:(i + 1) * B], "float32")
     return wire
 
@@ -156,10 +162,11 @@ def ck():
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("res", ["none", "f32", "input"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_reduce_quantize_matches_numpy(ck, dt, res, group):
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng([ord(c) for c in dt + res] + [group])
-    layout = Layout(S, 1, group)
+    layout = Layout(S, 1, group, codec=cd)
     refs = ["f32"] if (res == "none" or dtype == F32) else ["f32", "in"]
     cases = [  # (n_in, own_pos, own_n, offset)
         (0, 0, S, 0), (0, 0, 1000, 0), (0, 0, 513, 1), (0, 0, 1, 0), (0, 0, 0, 0), (0, 0, S - 3, 1),
@@ -170,55 +177,61 @@ def test_reduce_quantize_matches_numpy(ck, dt, res, group):
         ref_dtype = ref_for(dtype, ref)
         for n_in, own_pos, own_n, off in cases:
             incoming = None if n_in == 0 else make_incoming(rng, layout, n_in, dtype)
-            own = make_own(rng, own_n, dtype, group)
+            own = make_own(rng, own_n, dtype, group, cd)
             residual = make_residual(rng, dtype, res)
-            case = f"{dt} res={res} ref={ref} G={group} n_in={n_in} own_pos={own_pos} own_n={own_n} off={off}"
+            case = f"{cd} {dt} res={res} ref={ref} G={group} n_in={n_in} own_pos={own_pos} own_n={own_n} off={off}"
             run_both(ck, layout, incoming, own_pos, own, off, residual, ref_dtype, case)
 
 
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("res", ["f32", "input"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group):
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
     """The owner of a refinement round: ref = round(base + decoded) - base, base being its slice
     of the output so far (adversarial: NaN, Inf, the dtype's max, subnormals), full, partial,
     empty and unaligned."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt), len(res)])
-    layout = Layout(S, 1, group)
+    layout = Layout(S, 1, group, codec=cd)
     ref_dtype = ref_for(dtype, "in")
     for n_in, base_n, off in [(1, S, 0), (3, S, 1), (1, 1000, 0), (2, 513, 1), (1, 0, 0)]:
         incoming = make_incoming(rng, layout, n_in, dtype)
         residual = make_residual(rng, dtype, res)
-        base = make_own(rng, base_n, dtype, group)
-        case = f"{dt} res={res} G={group} n_in={n_in} base_n={base_n} off={off}"
-        run_both(ck, layout, incoming, n_in, make_own(rng, 0, dtype, group), 0, residual, ref_dtype, case,
+        base = make_own(rng, base_n, dtype, group, cd)
+        case = f"{cd} {dt} res={res} G={group} n_in={n_in} base_n={base_n} off={off}"
+        run_both(ck, layout, incoming, n_in, make_own(rng, 0, dtype, group, cd), 0, residual, ref_dtype, case,
                  base=(base, off))
+        if dtype == F32:   # a float32 base: the owner's ref rounded through nothing (rotated both ways)
+            run_both(ck, layout, incoming, n_in, make_own(rng, 0, dtype, group, cd), 0,
+                     make_residual(rng, dtype, "f32"), "float32", case + " ref=f32", base=(base, off))
 
 
 @pytest.mark.parametrize("res", ["f32", "input"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_residual_feedback_over_calls(ck, dt, res):
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_residual_feedback_over_calls(ck, dt, res, cd):
     """Consecutive calls, each fed the residual the previous one left (both engines' own)."""
     dtype, group = DTYPES[dt], 32
     rng = np.random.default_rng(7)
-    layout = Layout(S, 1, group)
+    layout = Layout(S, 1, group, codec=cd)
     residual = make_residual(rng, dtype, res)
     ref_dtype = ref_for(dtype, "in")
     for step in range(4):
         n_in = step % 3
         incoming = None if n_in == 0 else make_incoming(rng, layout, n_in, dtype)
-        own = make_own(rng, S - 7 * step, dtype, group)
+        own = make_own(rng, S - 7 * step, dtype, group, cd)
         residual, _ = run_both(ck, layout, incoming, n_in, own, step % 2, residual, ref_dtype,
-                               f"{dt} res={res} step={step}")
+                               f"{cd} {dt} res={res} step={step}")
 
 
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_dequantize_matches_numpy(ck, dt, group):
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_dequantize_matches_numpy(ck, dt, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng(group)
-    layout = Layout(3 * S, 3, group)
+    layout = Layout(3 * S, 3, group, codec=cd)
     wire = make_incoming(rng, layout, 3, dtype)
     wire_d = to_dev(wire)
     for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0), (0, 0)]:
@@ -229,7 +242,7 @@ def test_dequantize_matches_numpy(ck, dt, group):
         ck.dequantize(layout, wire_d, out)
         cupy.cuda.get_current_stream().synchronize()
         host = to_host(big)
-        assert_same_bits(host[off:off + count], want, f"dequantize {dt} G={group} count={count} off={off}")
+        assert_same_bits(host[off:off + count], want, f"dequantize {cd} {dt} G={group} count={count} off={off}")
         guard = np.concatenate([host[:off], host[off + count:]])
         assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
         assert np.isnan(want.astype(np.float32)).any() or count < S, "the wire should carry NaN groups"
@@ -237,16 +250,17 @@ def test_dequantize_matches_numpy(ck, dt, group):
 
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_dequantize_accumulate_matches_numpy(ck, dt, group):
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
     """out += decoded (rounds > 1): prior outputs with NaNs of several payloads, Inf, huge and
     subnormal values, against NaN-scale, zero and huge wire groups; full, partial, unaligned."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt)])
-    layout = Layout(3 * S, 3, group)
+    layout = Layout(3 * S, 3, group, codec=cd)
     wire = make_incoming(rng, layout, 3, dtype)
     wire_d = to_dev(wire)
     for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0)]:
-        prev = np.concatenate([make_own(rng, S, dtype, group) for _ in range(3)])[:count]
+        prev = np.concatenate([make_own(rng, S, dtype, group, cd) for _ in range(3)])[:count]
         nan_bits = {2: [0x7c01, 0xfe00, 0x7fc0], 4: [0x7f800001, 0xffc00000, 0x7fc00123]}[dtype.itemsize]
         for i, b in zip(rng.integers(0, count, 3), nan_bits):
             prev[i:i + 1].view(UINT[dtype.itemsize])[0] = b
@@ -256,17 +270,18 @@ def test_dequantize_accumulate_matches_numpy(ck, dt, group):
         ck.dequantize(layout, wire_d, big[off:off + count], accumulate=True)
         cupy.cuda.get_current_stream().synchronize()
         host = to_host(big)
-        assert_same_bits(host[off:off + count], want, f"dequantize accumulate {dt} G={group} count={count}")
+        assert_same_bits(host[off:off + count], want, f"dequantize accumulate {cd} {dt} G={group} count={count}")
         guard = np.concatenate([host[:off], host[off + count:]])
         assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
 
 
-def test_large_slice_grid_stride():
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_large_slice_grid_stride(cd):
     """A slice bigger than one grid (blocks_per_sm=1): the grid-stride loop, several incoming slices."""
     ck1 = CudaKernels(blocks_per_sm=1)
     rng = np.random.default_rng(3)
     big_s = 1 << 19
-    layout = Layout(big_s * 4, 4, 64)
+    layout = Layout(big_s * 4, 4, 64, codec=cd)
     assert layout.slice_elems == big_s
     B = layout.slice_bytes
     dtype = BF16
@@ -276,7 +291,7 @@ def test_large_slice_grid_stride():
         NK.reduce_quantize(layout, None, 0, v, None, incoming[i * B:(i + 1) * B], "float32")
     own = (rng.standard_normal(big_s - 9) * 3).astype(dtype)
     residual = (rng.standard_normal(big_s) * 0.01).astype(np.float32)
-    _, wire = run_both(ck1, layout, incoming, 2, own, 0, residual, dtype, "large bf16 G=64")
+    _, wire = run_both(ck1, layout, incoming, 2, own, 0, residual, dtype, f"large {cd} bf16 G=64")
     out_np = np.zeros(big_s * 4 - 100, dtype=dtype)
     gather = np.concatenate([incoming, wire])
     NK.dequantize(layout, gather, out_np)
@@ -327,3 +342,28 @@ def test_argument_checks(ck):
         ck.reduce_quantize(layout, None, 0, own[:S], res[:S].astype(np.float16).view(BF16), wire[:B], F16)
     with pytest.raises(ValueError):
         ck.dequantize(layout, wire[:B], cupy.zeros(S + 1, dtype=F16))               # wire too short
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_rotated_partial_last_slice_and_nan_groups(ck, dt):
+    """int4-h32 dequantize of a last slice cut inside a block (the warp-rounded thread count: lanes
+    past count still rotate, nothing is written past count), and NaN/Inf poisoning exactly their group."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng(11)
+    layout = Layout(2 * S, 2, 32, codec="int4-h32")
+    B = layout.slice_bytes
+    wire = np.zeros(2 * B, np.uint8)
+    for i in range(2):
+        v = (rng.standard_normal(S) * 4).astype(dtype)
+        v[64 * (i + 1) + 3] = np.nan if i else np.inf
+        NK.reduce_quantize(layout, None, 0, v, None, wire[i * B:(i + 1) * B], "float32")
+    for count in (S + 1, S + 13, S + 40, 2 * S - 1, 2 * S - 33):
+        want = np.zeros(count, dtype)
+        NK.dequantize(layout, wire, want)
+        big = to_dev(np.full(count + 40, 77, dtype))
+        ck.dequantize(layout, to_dev(wire), big[:count])
+        host = to_host(big)
+        assert_same_bits(host[:count], want, f"int4-h32 {dt} count={count}")
+        assert (host[count:] == dtype.type(77)).all(), "dequantize wrote past count"
+        nan = np.isnan(want.astype(np.float32))
+        assert nan[64:96].all() and nan.sum() == 32 + min(32, max(0, count - S - 128)), "NaN not exactly its group"

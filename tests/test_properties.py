@@ -136,10 +136,11 @@ class ThreadTransport:
             buf[:] = data
 
 
-def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: int = 1) -> list[np.ndarray]:
+def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: int = 1,
+             codec_name: str = "int4") -> list[np.ndarray]:
     """Run one all-reduce of ``xs`` (one array per simulated rank) through the schedule, in ``rounds``."""
     P, n = len(xs), xs[0].size
-    layout = Layout(n, P, group)
+    layout = Layout(n, P, group, codec=codec_name)
     hub = {(s, d): queue.SimpleQueue() for s in range(P) for d in range(P)}
     outs = [np.empty_like(x) for x in xs]
 
@@ -160,12 +161,12 @@ def canonical(y) -> bytes:
     return f.tobytes()
 
 
-def bound(xs, algo, group, dtype):
+def bound(xs, algo, group, dtype, codec_name="int4"):
     """(exact sum of the finite inputs, `support.error_bound`) over the simulated ranks ``xs``."""
     x64 = np.stack([x.astype(np.float64) for x in xs])
     exact = np.where(np.isfinite(x64), x64, 0).sum(axis=0)
     amax_sum = sum(support.group_amax(x, group) for x in x64)
-    return exact, support.error_bound(exact, amax_sum, algo, len(xs), dtype)
+    return exact, support.error_bound(exact, amax_sum, algo, len(xs), dtype, codec_name)
 
 
 case = st.fixed_dictionaries({
@@ -178,6 +179,7 @@ case = st.fixed_dictionaries({
     "seed": st.integers(0, 2 ** 32 - 1),
     "nan_at": st.lists(st.tuples(st.integers(0, 5), st.floats(0, 1, exclude_max=True)), max_size=3),
     "max_at": st.lists(st.floats(0, 1, exclude_max=True), max_size=2),
+    "codec": st.sampled_from(codec.CODECS),
 })
 
 
@@ -191,9 +193,11 @@ def make_inputs(c, t=0):
 @SETTINGS
 @given(case)
 def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
-    P, n, G, algo = c["P"], c["n"], c["group"], c["algo"]
+    P, n, G, algo, cd = c["P"], c["n"], c["group"], c["algo"], c["codec"]
     xs = make_inputs(c)
     dmax = float(ml_dtypes.finfo(xs[0].dtype).max)
+    if codec.rotated(cd):
+        dmax = min(dmax, 2.0 ** 126)           # the rotated codec's documented range (codec.py)
     bad = np.zeros(-(-n // G), bool)
     big = np.zeros_like(bad)
     for where in c["max_at"]:                  # +-max on rank 0 only, 0 elsewhere: no overflow
@@ -206,13 +210,13 @@ def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
         i = int(where * n)
         xs[r % P][i] = np.nan if r % 2 else np.inf
         bad[i // G] = True
-    outs = simulate(algo, xs, G)
+    outs = simulate(algo, xs, G, codec_name=cd)
     assert all(canonical(o) == canonical(outs[0]) for o in outs), "outputs differ between ranks"
     y = outs[0].astype(np.float64)
     eb = np.repeat(bad, G)[:n]
     assert np.isnan(y[eb]).all(), "a group with NaN/Inf input is not all NaN"
     assert np.isfinite(y[~eb]).all(), "non-finite output outside the NaN/Inf groups"
-    exact, b = bound(xs, algo, G, c["dtype"])
+    exact, b = bound(xs, algo, G, c["dtype"], cd)
     ok = ~(eb | np.repeat(big & ~bad, G)[:n])
     worst = float(np.max(np.abs(y - exact)[ok] / b[ok])) if ok.any() else 0.0
     assert worst <= 1.0, f"error {worst:.3f} of the bound"
@@ -221,21 +225,21 @@ def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
 @SETTINGS
 @given(case, st.integers(2, 4), st.sampled_from(["float32", "input"]), st.integers(1, 3))
 def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
-    P, n, G, algo, dt = c["P"], c["n"], c["group"], c["algo"], c["dtype"]
-    layout = Layout(n, P, G)
+    P, n, G, algo, dt, cd = c["P"], c["n"], c["group"], c["algo"], c["dtype"], c["codec"]
+    layout = Layout(n, P, G, codec=cd)
     key = (n, P, G, dt)
     fbs = [Feedback(residual_dtype) for _ in range(P)]
-    states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros) for fb in fbs]
+    states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros, cd) for fb in fbs]
     acc_out, acc_exact, xmax = np.zeros(n), np.zeros(n), 0.0
     for t in range(T):
         xs = make_inputs(c, t)
-        outs = simulate(algo, xs, G, states, rounds)
+        outs = simulate(algo, xs, G, states, rounds, cd)
         assert all(o.tobytes() == outs[0].tobytes() for o in outs), "outputs differ between ranks"
         acc_out += outs[0].astype(np.float64)
         acc_exact += np.sum([x.astype(np.float64) for x in xs], axis=0)
         xmax = max(xmax, max(float(np.abs(x.astype(np.float64)).max()) for x in xs))
-    e_in = np.sum([s.inputs.astype(np.float64) for s in states], axis=0)
-    e_out = np.concatenate([s.output.astype(np.float64) for s in states])
+    e_in = np.sum([codec.residual_values(s.inputs, cd) for s in states], axis=0)
+    e_out = np.concatenate([codec.residual_values(s.output, cd) for s in states])
     residual = (e_in + e_out)[:n]
     assert all(np.isfinite(s.inputs.astype(np.float32)).all() and np.isfinite(s.output.astype(np.float32)).all()
                for s in states)
@@ -250,13 +254,13 @@ def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
 @given(case, st.sampled_from(["float32", "input"]))
 def test_ring_equals_two_shot_at_two_ranks(c, residual_dtype):
     c = {**c, "P": 2}
-    n, G, dt = c["n"], c["group"], c["dtype"]
+    n, G, dt, cd = c["n"], c["group"], c["dtype"], c["codec"]
     results = {}
     for algo in ("two_shot", "ring"):
-        layout = Layout(n, 2, G)
-        states = [Feedback(residual_dtype).bind((n, 2, G, dt), layout, dtypes.numpy_dtype(dt), np.zeros)
+        layout = Layout(n, 2, G, codec=cd)
+        states = [Feedback(residual_dtype).bind((n, 2, G, dt), layout, dtypes.numpy_dtype(dt), np.zeros, cd)
                   for _ in range(2)]
-        outs = [simulate(algo, make_inputs(c, t), G, states)[0] for t in range(2)]
+        outs = [simulate(algo, make_inputs(c, t), G, states, 1, cd)[0] for t in range(2)]
         results[algo] = b"".join(o.tobytes() for o in outs) + b"".join(
             s.inputs.tobytes() + s.output.tobytes() for s in states)
     assert results["two_shot"] == results["ring"]

@@ -2,7 +2,10 @@
 """Codec kernel bandwidth on one GPU: bytes each kernel moves (read + written) over its time,
 against the device-to-device copy bandwidth measured in the same run.
 
-    python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--markdown]
+    python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32]
+
+Each kernel is timed for each codec (default both: the rotated int4-h32 against int4),
+so the rotation's cost shows as the ratio of their bandwidths.
 """
 from __future__ import annotations
 
@@ -36,10 +39,10 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e6  # TB/s
 
 
-def bench(elems: int, iters: int, group: int):
+def bench(elems: int, iters: int, group: int, codec_name: str = "int4"):
     k = CudaKernels()
     rows = []
-    L = Layout(elems, 1, group)
+    L = Layout(elems, 1, group, codec=codec_name)
     S, B = L.slice_elems, L.slice_bytes
     for dt in ("bfloat16", "float16", "float32"):
         ndt = dtypes.numpy_dtype(dt)
@@ -51,11 +54,14 @@ def bench(elems: int, iters: int, group: int):
             out = cp.empty(B, dtype=cp.uint8)
             t = time_us(lambda: k.reduce_quantize(L, inc, n_in, own, res, out, ndt), iters)
             moved = n_in * B + own.nbytes + 2 * res.nbytes + B
-            rows.append((f"reduce_quantize in={dt} residual={rd.name} n_in={n_in}", moved, t))
+            rows.append((f"reduce_quantize in={dt} residual={rd.name} n_in={n_in} {codec_name}", moved, t))
         wire = cp.zeros(B, dtype=cp.uint8)
         dst = cp.empty(S, dtype=ndt)
         t = time_us(lambda: k.dequantize(L, wire, dst), iters)
-        rows.append((f"dequantize out={dt}", B + dst.nbytes, t))
+        rows.append((f"dequantize out={dt} {codec_name}", B + dst.nbytes, t))
+        prev = cp.zeros(S, dtype=ndt)
+        t = time_us(lambda: k.dequantize(L, wire, prev, accumulate=True), iters)
+        rows.append((f"dequantize accumulate out={dt} {codec_name}", B + 2 * prev.nbytes, t))
     return rows
 
 
@@ -64,12 +70,13 @@ def main():
     p.add_argument("--elems", type=lambda s: int(eval(s, {})), default=2 ** 26)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=["int4", "int4-h32"])
     a = p.parse_args()
     copy = copy_bandwidth(1 << 30, a.iters)
     print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements, G={a.group}")
     print("| kernel | MB moved | time (us) | TB/s | % of copy |")
     print("|---|---:|---:|---:|---:|")
-    for name, moved, t in bench(a.elems, a.iters, a.group):
+    for name, moved, t in (r for c in a.codecs for r in bench(a.elems, a.iters, a.group, c)):
         bw = moved / t / 1e6
         print(f"| {name} | {moved / 1e6:.1f} | {t:.1f} | {bw:.2f} | {100 * bw / copy:.0f}% |")
 

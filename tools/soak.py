@@ -315,6 +315,18 @@ def main(argv=None) -> int:
     return code
 
 
+def _owed(r, codec_name: str):
+    """(what residuals ``r`` owe the sum, a bound of its magnitude), float64, in the values'
+    domain: for the rotated codec the exact inverse rotation, bounded by the block's sum of |r|."""
+    from echonccl import codec
+
+    r64 = r.astype(np.float64)
+    if not codec.rotated(codec_name):
+        return r64, np.abs(r64)
+    mag = np.repeat(np.abs(r64).reshape(-1, codec.ROT_BLOCK).sum(axis=1), codec.ROT_BLOCK)
+    return codec.residual_values(r64, codec_name), mag
+
+
 def _residual_total(fb, world, count: int):
     """(sum over ranks, sum over ranks of magnitudes) of a state's residuals, per element;
     zeros while unbound; None when the state is off."""
@@ -323,10 +335,11 @@ def _residual_total(fb, world, count: int):
         return None
     if sd["key"] is None:
         return np.zeros(count), np.zeros(count)
-    e_in = sd["inputs"].astype(np.float64)
-    total = world.allreduce(np.stack([e_in, np.abs(e_in)]))
-    e_out = sd["output"].astype(np.float64)
-    outs = world.allgather(np.stack([e_out, np.abs(e_out)]))
+    cd = sd["codec"]
+    e_in, e_in_abs = _owed(sd["inputs"], cd)
+    total = world.allreduce(np.stack([e_in, e_in_abs]))
+    e_out, e_out_abs = _owed(sd["output"], cd)
+    outs = world.allgather(np.stack([e_out, e_out_abs]))
     total = total + np.concatenate(outs, axis=1)
     return total[0, :count], total[1, :count]
 
@@ -365,13 +378,13 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
             if c["dtype"] == "float16":          # ... where small residuals are float16 subnormals
                 slack += 2.0 ** -25 * (P + 1) * 2 * c["rounds"]
             if c["rounds"] > 1:                  # ... also between rounds, where it is a whole 4-bit error
-                slack += 2.0 ** -7 * (c["rounds"] - 1) * (support.readme_bound(amax_sum, algo, P) + r0_abs)
+                slack += 2.0 ** -7 * (c["rounds"] - 1) * (support.readme_bound(amax_sum, algo, P, comm.config.codec) + r0_abs)
         err = np.abs(y - y_expect)
         bound = 2.0 ** -20 * (P + 2) * amax_sum + slack + tiny   # output rounding is in the residuals
         worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
         return None if worst <= 1 else f"feedback bookkeeping off by {worst:.3g}x its float32 tolerance"
     else:
-        bound, kind = support.readme_bound(amax_sum, algo, P) + rounding, "4-bit bound"
+        bound, kind = support.readme_bound(amax_sum, algo, P, comm.config.codec) + rounding, "4-bit bound"
     err = np.abs(y - exact)
     worst = float(np.max((err / bound)[ok])) if ok.any() else 0.0
     return None if worst <= 1 else f"error {worst:.3g}x the {kind}"

@@ -13,7 +13,7 @@ import hashlib
 import ml_dtypes
 import numpy as np
 
-from echonccl import dtypes
+from echonccl import codec, dtypes
 
 TWO_HOP = ("two_shot", "two_shot_pipelined")     # quantized twice per element; ring: once per rank
 
@@ -26,21 +26,28 @@ def _world(comm):
     return comm
 
 
-def readme_bound(amax_sum, algo: str, nranks: int):
+def _codec_factor(codec_name: str) -> int:
+    """int4-h32: an element's error is the inverse transform of 32 rotated errors, each at most
+    half a step of a scale no larger than its block's amax / 7: 32 times int4's, at worst."""
+    return 32 if codec.rotated(codec_name) else 1
+
+
+def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
     """The README's per-element error bound of a feedback-free 4-bit all-reduce, without the
     output dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max)
     / 14 per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum.
-    The sum's group max is at most ``amax_sum`` grown by 1/7 per hop: (1 + 1/7)^P covers it."""
+    The sum's group max is at most ``amax_sum`` grown by 1/7 per hop: (1 + 1/7)^P covers it.
+    The rotated codec's is 32 times that (`_codec_factor`)."""
     hops = 2 if algo in TWO_HOP else nranks
-    return hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
+    return _codec_factor(codec_name) * hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
 
 
-def error_bound(exact, amax_sum, algo: str, nranks: int, dtype):
+def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str = "int4"):
     """`readme_bound` plus the output's rounding (bf16's 2^-7, relative) and a few units of the
     smallest float32 and output-dtype subnormals (groups below ~1e-44 can clip to +-7)."""
     tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
-    return (readme_bound(amax_sum, algo, nranks) + np.abs(exact) * 2.0 ** -7
-            + 8 * (nranks + 1) * (2.0 ** -149 + tiny))
+    return (readme_bound(amax_sum, algo, nranks, codec_name) + np.abs(exact) * 2.0 ** -7
+            + 8 * (nranks + 1) * _codec_factor(codec_name) * (2.0 ** -149 + tiny))
 
 
 def group_amax(x64: np.ndarray, group: int) -> np.ndarray:

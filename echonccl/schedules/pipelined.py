@@ -46,7 +46,7 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
         return two_shot(k, t, layout, x, out, state, ws, accumulate)
     r, P = t.rank, t.size
     C = layout.slice_elems // K
-    V = Layout(layout.count, P * K, layout.group, quantum=C)
+    V = Layout(layout.count, P * K, layout.group, quantum=C, codec=layout.codec)
     Bc = V.slice_bytes
     peers = [s for s in range(P) if s != r]
 

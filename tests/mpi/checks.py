@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 import echonccl
-from echonccl import dtypes
+from echonccl import codec, dtypes
 
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host
 from support import amax_sum, assert_identical_across_ranks, error_bound, exact_sum
@@ -34,7 +34,7 @@ def check_identical_and_bounded():
                 comm.all_reduce(yi, yi, feedback=False, algorithm=algo)
                 assert to_host(yi).tobytes() == y.tobytes(), f"{algo} {dt} n={n}: in-place differs"
                 assert_identical_across_ranks(y, f"{algo} {dt} n={n}")
-                bound = error_bound(exact, amax_sum(x, G), algo, P, dt)
+                bound = error_bound(exact, amax_sum(x, G), algo, P, dt, comm.config.codec)
                 err = np.abs(y.astype(np.float64) - exact)
                 worst = float(np.max(err / bound))
                 assert worst <= 1.0, f"{algo} {dt} n={n}: error {worst:.3f} of the bound"
@@ -70,10 +70,12 @@ def check_telescoping():
 
 
 def owed(fb, n: int) -> np.ndarray:
-    """What the calls sharing ``fb`` still owe the sum: every rank's residuals, added (float64, n)."""
+    """What the calls sharing ``fb`` still owe the sum: every rank's residuals, added (float64, n),
+    taken back from the rotated domain for a rotated codec."""
     state = fb.state_dict()
-    e_in = WORLD.allreduce(state["inputs"].astype(np.float64))
-    e_out = np.concatenate(WORLD.allgather(state["output"].astype(np.float64)))
+    cd = state["codec"]
+    e_in = WORLD.allreduce(codec.residual_values(state["inputs"], cd))
+    e_out = np.concatenate(WORLD.allgather(codec.residual_values(state["output"], cd)))
     return (e_in + e_out)[:n]
 
 
@@ -179,11 +181,17 @@ def check_special_values():
             assert np.isfinite(y2.astype(np.float32)).all(), f"{algo} {dt}: NaN poisoned the next call"
             big = np.zeros(n, dtype=dtypes.numpy_dtype(dt))
             dmax = float(ml_dtypes.finfo(big.dtype).max)
+            rot = codec.rotated(comm.config.codec)
+            if rot:                         # the rotated codec's range: below 2**126 and below max / 4
+                dmax = float(np.array(min(dmax / 4, 2.0 ** 125)).astype(big.dtype))
             big[:G] = dmax if RANK == 0 else 0
             big[G:2 * G] = 1e-30 if dt != "float16" else 1e-7
             y3 = to_host(comm.all_reduce(to_engine(big), feedback=False, algorithm=algo)).astype(np.float64)
             assert np.isfinite(y3).all(), f"{algo} {dt}: huge value overflowed"
-            assert np.all(y3[:G] == dmax), f"{algo} {dt}: max not kept"
+            if rot:
+                assert np.all(np.abs(y3[:G] / dmax - 1) <= 0.25), f"{algo} {dt}: huge value not kept"
+            else:
+                assert np.all(y3[:G] == dmax), f"{algo} {dt}: max not kept"
             assert np.all(y3[G:2 * G] > 0), f"{algo} {dt}: tiny values collapsed to zero"
     comm.close()
 
@@ -307,7 +315,8 @@ def check_pipelined_matches_two_shot():
     assert chunked >= 6, f"only {chunked} cases were cut into chunks: the test would prove nothing"
     comm.close()
 
-def check_fused():
+def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 + 17, (1 << 20) + 3, 3 << 22),
+                one_shot_sizes=(1, 5, 1000, 1 << 16, (1 << 20) + 5)):
     """The fused peer-memory kernels (the GPU engine's two_shot where GPUs map each other's
     memory) against the NCCL send/recv path: outputs and both residuals bit for bit, with
     rounds 1 and 2, every dtype and residual dtype, in place too; and the 16-bit one-shot
@@ -322,9 +331,9 @@ def check_fused():
     finally:
         del os.environ["ECHONCCL_FUSED"]
     assert plain.engine.fused is None
-    for dt in ("bfloat16", "float16", "float32"):
+    for dt in dts:
         for rdt in ("float32", "input"):
-            for n in (1, 513, 3 * 8192 + 17, (1 << 20) + 3, 3 << 22):
+            for n in sizes:
                 fa, fb = fused.new_feedback(rdt), plain.new_feedback(rdt)
                 for t in range(3):
                     x = rank_data(n, dt, seed=t)
@@ -342,8 +351,8 @@ def check_fused():
                 fused.all_reduce(xi, xi, feedback=False, algorithm="two_shot")
                 yb = to_host(plain.all_reduce(to_engine(x), feedback=False, algorithm="two_shot"))
                 assert same_bits(to_host(xi), yb), f"fused {dt} n={n}: in place differs"
-    for dt in ("bfloat16", "float16", "float32"):
-        for n in (1, 5, 1000, 1 << 16, (1 << 20) + 5):
+    for dt in dts:
+        for n in one_shot_sizes:
             x = rank_data(n, dt, seed=3)
             every = WORLD.allgather(x)
             acc = np.full(n, -0.0, np.float32)
@@ -361,10 +370,16 @@ def check_fused():
 
 
 
+def check_fused_small():
+    """`check_fused` on a few sizes and bfloat16 only: for more ranks than GPUs (ranks sharing
+    a GPU map each other's buffers too, but their kernels take turns)."""
+    check_fused(dts=("bfloat16",), sizes=(513, 3 * 8192 + 17), one_shot_sizes=(5, 1000, 70_000))
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
            check_matches_reference, check_graph_replay, check_torch_interop,
-           check_pipelined_matches_two_shot, check_rounds, check_fused)}
+           check_pipelined_matches_two_shot, check_rounds, check_fused, check_fused_small)}
 
 if __name__ == "__main__":
     import faulthandler

@@ -63,6 +63,10 @@ def new_comm(comm=None, **kw):
     # two_shot unless told otherwise: on the GPU engine "auto" sends small sizes to plain NCCL,
     # which would bypass the 4-bit path (and the feedback binding) these checks are about
     kw.setdefault("algorithm", "two_shot")
+    # int4 unless told otherwise: these checks pin that codec's extremes (the dtype's max kept
+    # exactly, exact subnormal sums); the rotated int4-h32's range and NaN rules are checked in
+    # tests/test_codec_rotated.py, tests/test_properties.py and tests/mpi/checks.py.
+    kw.setdefault("codec", "int4")
     return echonccl.Communicator(comm, engine=ENGINE, **kw)
 
 
@@ -634,7 +638,7 @@ def check_close_reopen():
     ref = None
     for engine in (ENGINE, "auto"):
         for _ in range(3):
-            comm = echonccl.Communicator(engine=engine)
+            comm = echonccl.Communicator(engine=engine, codec="int4")
             if x is None:
                 x = to_engine(rank_data(20_000, "bfloat16", 41))
             fb = comm.new_feedback()
