@@ -314,8 +314,16 @@ class CudaKernels:
                 raise ValueError(f"residual must be a contiguous 1-D view of {S} elements")
             if wire_out.size < B or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
+        if base is not None and base.size == 0:
+            # A base is given (the reference's rule: `base is not None`), with nothing in it; an
+            # empty cupy array may have a null pointer, which the kernel would take for no base.
+            # Any valid pointer does: base_n = 0 elements of it are read.
+            base = wire_out.data.ptr
+            base_n = 0
+        else:
+            base_n = 0 if base is None else base.size
         kern((geo.rq_blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S,
-                                   base, 0 if base is None else base.size))
+                                   base, base_n))
 
     def dequantize(self, layout, wire, out, accumulate: bool = False) -> None:
         count = out.size

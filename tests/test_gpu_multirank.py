@@ -17,9 +17,3 @@ def test_gpu_check(mpirun, check, monkeypatch):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert f"OK {check} ranks=2 engine=gpu" in res.stdout
 
-
-def test_gpu_fused_four_ranks_on_two_gpus(mpirun):
-    """P = 4 through the fused kernels: two ranks on each GPU map each other's buffers too."""
-    res = mpirun(4, ["tests/mpi/checks.py", "fused_small", "gpu"], timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "OK fused_small ranks=4 engine=gpu" in res.stdout

@@ -1,5 +1,6 @@
-"""The GPU engine with one rank (P = 1, MPI.COMM_SELF) on one GPU: the input comes back
-unchanged, out of place and in place, for every dtype. Skipped without a GPU."""
+"""One GPU: the GPU engine with one rank (P = 1, MPI.COMM_SELF) gives its input back, out of
+place and in place, for every dtype; and two ranks sharing the GPU run the fused kernels
+bit-exact with the reference. Skipped without a GPU."""
 import numpy as np
 import pytest
 
@@ -23,3 +24,12 @@ def test_single_rank_gpu_returns_input(dtype):
             assert y is not x and y.shape == x.shape and y.tobytes() == x.tobytes()
             assert comm.all_reduce(x, x, algorithm=algo) is x
         comm.synchronize()
+
+
+def test_fused_kernels_match_the_reference_two_ranks_on_one_gpu(mpirun):
+    """The fused peer-memory kernels at P = 2 without NCCL (which refuses two ranks on one GPU):
+    two processes map each other's buffers on the same GPU; outputs and residuals bit for bit
+    against the CPU reference, both codecs (tests/mpi/checks.py check_fused_reference)."""
+    res = mpirun(2, ["tests/mpi/checks.py", "fused_reference", "gpu"], timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "OK fused_reference ranks=2 engine=gpu" in res.stdout
