@@ -96,6 +96,39 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
 
 constexpr int kChunk = 256;   // threads per chunk (= ECHO_BLOCK): 2048 elements
 
+// The start of a ticketed call, every thread: this call's epoch (the last finished call's + 1,
+// the same on every rank, which makes the same calls) and wait deadline; *ok set to 1.
+struct CallStart {
+    unsigned int epoch;
+    u64 deadline;
+};
+__device__ __forceinline__ CallStart begin_call(const Ctl* ctl, u64 timeout_ns, int* ok) {
+    __shared__ unsigned int s_epoch;
+    __shared__ u64 s_deadline;
+    if (threadIdx.x == 0) {
+        s_epoch = *((volatile const unsigned int*)&ctl->epoch) + 1u;
+        s_deadline = global_ns() + timeout_ns;
+        *ok = 1;
+    }
+    __syncthreads();
+    return CallStart{s_epoch, s_deadline};
+}
+
+// The end of a ticketed call: the last block to finish resets the ticket and publishes the
+// epoch, for the next launch on this stream.
+__device__ __forceinline__ void end_call(Ctl* ctl, unsigned int epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
+            ctl->ticket = 0;
+            ctl->done = 0;
+            __threadfence();
+            atomicExch(&ctl->epoch, epoch);
+        }
+    }
+}
+
 // One block takes the next work item (all threads get it).
 __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
     __syncthreads();
@@ -149,16 +182,10 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                                                     int accumulate, const PeerTable* __restrict__ table,
                                                     Ctl* ctl, u64 timeout_ns) {
     __shared__ long long s_item;
-    __shared__ unsigned int s_epoch;
     __shared__ int s_ok;
-    __shared__ u64 s_deadline;
-    if (threadIdx.x == 0) {
-        s_epoch = *((volatile unsigned int*)&ctl->epoch) + 1u;
-        s_deadline = global_ns() + timeout_ns;
-        s_ok = 1;
-    }
-    __syncthreads();
-    const unsigned int epoch = s_epoch;
+    const CallStart call = begin_call(ctl, timeout_ns, &s_ok);
+    const unsigned int epoch = call.epoch;
+    const u64 s_deadline = call.deadline;
     const i64 slice_bytes = (S >> 1) + 4 * (S / G);
     const i64 T_ = ntiles;
     const i64 n1 = (i64)(P - 1) * T_;
@@ -224,16 +251,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             phase_decode<T, G, kRot>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
-            ctl->ticket = 0;
-            ctl->done = 0;
-            __threadfence();
-            atomicExch(&ctl->epoch, epoch);
-        }
-    }
+    end_call(ctl, epoch);
 }
 
 // 16-bit (or float32) one-shot all-reduce for small sizes: every rank pushes its whole
@@ -245,16 +263,10 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
                                               i64 tile_t, i64 max_tiles, const PeerTable* __restrict__ table,
                                               Ctl* ctl, u64 timeout_ns) {
     __shared__ long long s_item;
-    __shared__ unsigned int s_epoch;
     __shared__ int s_ok;
-    __shared__ u64 s_deadline;
-    if (threadIdx.x == 0) {
-        s_epoch = *((volatile unsigned int*)&ctl->epoch) + 1u;
-        s_deadline = global_ns() + timeout_ns;
-        s_ok = 1;
-    }
-    __syncthreads();
-    const unsigned int epoch = s_epoch;
+    const CallStart call = begin_call(ctl, timeout_ns, &s_ok);
+    const unsigned int epoch = call.epoch;
+    const u64 s_deadline = call.deadline;
     const i64 nthr = (count + 7) >> 3;
     const i64 T_ = (nthr + tile_t - 1) / tile_t;
     const i64 slot_bytes = ((count * Traits<T>::kBytes + 255) / 256) * 256;
@@ -331,16 +343,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
             }
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
-            ctl->ticket = 0;
-            ctl->done = 0;
-            __threadfence();
-            atomicExch(&ctl->epoch, epoch);
-        }
-    }
+    end_call(ctl, epoch);
 }
 
 // Low-latency one-shot for small inputs: the same sum as one_shot_body (float32, rank order,

@@ -118,10 +118,7 @@ def _same_as_reference(comm, ref, algo, dt, n):
     """Two calls of ``rounds=2`` sharing a state, the second with NaN and Inf: GPU bits == CPU bits."""
     fg, fc = comm.new_feedback(), ref.new_feedback()
     for t in range(2):
-        x = rank_data(n, dt, seed=t)
-        if t == 1:
-            x[17] = np.nan if RANK == 0 else x[17]
-            x[100] = np.inf if RANK == P - 1 else x[100]
+        x = call_data(n, dt, t)                        # n > 200 here: call 1 has the NaN and Inf
         yg = to_host(comm.all_reduce(to_engine(x), feedback=fg, algorithm=algo, rounds=2))
         yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=2)
         what = f"{algo} {dt} n={n} rounds=2 call={t}"
@@ -196,6 +193,15 @@ def check_special_values():
     comm.close()
 
 
+def call_data(n: int, dt: str, t: int) -> np.ndarray:
+    """Call ``t``'s input of a sequence: on call 1 (n > 200) a NaN on rank 0 and an Inf on the last."""
+    x = rank_data(n, dt, seed=t)
+    if t == 1 and n > 200:
+        x[17] = np.nan if RANK == 0 else x[17]
+        x[100] = np.inf if RANK == P - 1 else x[100]
+    return x
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equal, except that any NaN matches any NaN (payloads may differ between engines)."""
     a32, b32 = a.astype(np.float32), b.astype(np.float32)
@@ -221,10 +227,8 @@ def check_matches_reference():
                 for n in (1, 1000, 5000, 100_003, (1 << 20) + 3):
                     fg, fc = gpu.new_feedback(rdt), cpu.new_feedback(rdt)
                     for t in range(3):
-                        x = rank_data(n, dt, seed=t)
+                        x = call_data(n, dt, t)
                         if t == 1 and n > 200:
-                            x[17] = np.nan if RANK == 0 else x[17]
-                            x[100] = np.inf if RANK == P - 1 else x[100]
                             x[150:160] = 1e-30 if dt != "float16" else 1e-7
                         yg = to_host(gpu.all_reduce(to_engine(x), feedback=fg, algorithm=algo))
                         yc = cpu.all_reduce(x, feedback=fc, algorithm=algo)
@@ -336,10 +340,7 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
             for n in sizes:
                 fa, fb = fused.new_feedback(rdt), plain.new_feedback(rdt)
                 for t in range(3):
-                    x = rank_data(n, dt, seed=t)
-                    if t == 1 and n > 200:
-                        x[17] = np.nan if RANK == 0 else x[17]
-                        x[100] = np.inf if RANK == P - 1 else x[100]
+                    x = call_data(n, dt, t)
                     rounds = 2 if t == 2 else 1
                     ya = to_host(fused.all_reduce(to_engine(x), feedback=fa, algorithm="two_shot", rounds=rounds))
                     yb = to_host(plain.all_reduce(to_engine(x), feedback=fb, algorithm="two_shot", rounds=rounds))
@@ -397,10 +398,7 @@ def check_fused_reference():
                     fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
                     for t in range(3):
-                        x = rank_data(n, dt, seed=t)
-                        if t == 1:
-                            x[17] = np.nan if RANK == 0 else x[17]
-                            x[100] = np.inf if RANK == P - 1 else x[100]
+                        x = call_data(n, dt, t)
                         rounds = 2 if t == 2 else 1
                         yc = ref.all_reduce(x, feedback=fc, algorithm="two_shot", rounds=rounds)
                         xg = to_engine(x)
