@@ -231,9 +231,6 @@ class FusedPaths:
         """True when a kernel gave up waiting for a peer (synchronous: call after the stream is done)."""
         return self.peers.errors()
 
-    def nbytes(self) -> int:
-        return self.peers.nbytes()
-
     def close(self) -> None:
         self.peers.close()
 

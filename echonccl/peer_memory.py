@@ -163,9 +163,6 @@ class PeerMemory:
         self.regions.append(self.make_region(self.comm, self.allgather, sb, nt))
         return self.regions[-1]
 
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.regions)
-
     def errors(self) -> bool:
         return any(r.error_flag() for r in self.regions)
 
