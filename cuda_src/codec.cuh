@@ -376,11 +376,15 @@ __device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
     }
 #pragma unroll
     for (int x = 1; x < kRotLanes; x <<= 1) {   // h = 8 (lane ^ 1), h = 16 (lane ^ 2)
-        const bool upper = (lb & x) != 0;
+        // The lower lane of a pair keeps fl(a + b) = fl(b + a), the upper one fl(a - b) =
+        // fl(a + (-b)) (IEEE: exact identities for every non-NaN operand; a NaN's group is
+        // replaced by its scale's NaN anyway): one add on the partner's value and our own,
+        // sign-flipped in the upper lane, instead of two ops and a select.
+        const u32 flip = (lb & x) != 0 ? 0x80000000u : 0u;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
-            v[j] = upper ? sub_rn(o, v[j]) : add_rn(v[j], o);
+            v[j] = add_rn(o, bitsf(fbits(v[j]) ^ flip));
         }
     }
 }
