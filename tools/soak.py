@@ -376,7 +376,9 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
         if c["residual"] == "input" and c["dtype"] != "float32" and c["feedback"] == "stream":
             slack += 2.0 ** -7 * r1_abs          # every rank's residual rounded to the input dtype
             if c["dtype"] == "float16":          # ... where small residuals are float16 subnormals
-                slack += 2.0 ** -25 * (P + 1) * 2 * c["rounds"]
+                # (int4-h32: a value's residual is the inverse rotation of its block's 32
+                # rotated ones, each rounded: 32 times one subnormal rounding at most)
+                slack += 2.0 ** -25 * (P + 1) * 2 * c["rounds"] * support.codec_factor(comm.config.codec)
             if c["rounds"] > 1:                  # ... also between rounds, where it is a whole 4-bit error
                 slack += 2.0 ** -7 * (c["rounds"] - 1) * (support.readme_bound(amax_sum, algo, P, comm.config.codec) + r0_abs)
         err = np.abs(y - y_expect)

@@ -26,7 +26,7 @@ def _world(comm):
     return comm
 
 
-def _codec_factor(codec_name: str) -> int:
+def codec_factor(codec_name: str) -> int:
     """int4-h32: an element's error is the inverse transform of 32 rotated errors, each at most
     half a step of a scale no larger than its block's amax / 7: 32 times int4's, at worst."""
     return 32 if codec.rotated(codec_name) else 1
@@ -37,9 +37,9 @@ def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
     output dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max)
     / 14 per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum.
     The sum's group max is at most ``amax_sum`` grown by 1/7 per hop: (1 + 1/7)^P covers it.
-    The rotated codec's is 32 times that (`_codec_factor`)."""
+    The rotated codec's is 32 times that (`codec_factor`)."""
     hops = 2 if algo in TWO_HOP else nranks
-    return _codec_factor(codec_name) * hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
+    return codec_factor(codec_name) * hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
 
 
 def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str = "int4"):
@@ -47,7 +47,7 @@ def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str 
     smallest float32 and output-dtype subnormals (groups below ~1e-44 can clip to +-7)."""
     tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
     return (readme_bound(amax_sum, algo, nranks, codec_name) + np.abs(exact) * 2.0 ** -7
-            + 8 * (nranks + 1) * _codec_factor(codec_name) * (2.0 ** -149 + tiny))
+            + 8 * (nranks + 1) * codec_factor(codec_name) * (2.0 ** -149 + tiny))
 
 
 def group_amax(x64: np.ndarray, group: int) -> np.ndarray:

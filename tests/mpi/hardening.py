@@ -675,9 +675,18 @@ def check_cache():
     every call the cached bytes stay under the bound plus what that call uses, and the
     entries stay few. Nearby sizes share one workspace, and a shared (larger) workspace gives
     bitwise the outputs of a communicator that never evicts. GPU: a call captured into a CUDA
-    graph pins its workspace, which then survives the churn, and the graph replays right."""
+    graph pins its workspace, which then survives the churn, and the graph replays right.
+    The cache holds the NCCL path's workspaces: the fused path has none (its registered
+    regions are bounded apart, README "Fused path memory"), so the GPU runs this check with
+    ECHONCCL_FUSED=0."""
+    import os
+
     cap = 256 << 10
-    small, big = new_comm(cache_bytes=cap), new_comm(WORLD.Dup(), cache_bytes=1 << 40)
+    os.environ["ECHONCCL_FUSED"] = "0"
+    try:
+        small, big = new_comm(cache_bytes=cap), new_comm(WORLD.Dup(), cache_bytes=1 << 40)
+    finally:
+        del os.environ["ECHONCCL_FUSED"]
     G = small.config.group_size
     rng = np.random.default_rng(7)             # the same sizes on every rank
     counts = rng.choice(np.arange(1, 60_000), size=1000, replace=False)
