@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 
 class Entry:
-    __slots__ = ("obj", "nbytes", "pinned", "token")
+    """One cached object; ``live`` until it is evicted or the cache cleared."""
 
-    def __init__(self, obj, nbytes: int):
-        self.obj, self.nbytes, self.pinned, self.token = obj, nbytes, False, None
+    __slots__ = ("key", "obj", "nbytes", "pinned", "token", "live")
+
+    def __init__(self, key, obj, nbytes: int):
+        self.key, self.obj, self.nbytes, self.pinned, self.token, self.live = key, obj, nbytes, False, None, True
 
 
 class BufferCache:
@@ -44,9 +46,13 @@ class BufferCache:
 
     def put(self, key, obj, nbytes: int) -> Entry:
         assert key not in self._entries
-        e = self._entries[key] = Entry(obj, nbytes)
+        e = self._entries[key] = Entry(key, obj, nbytes)
         self.nbytes += nbytes
         return e
+
+    def touch(self, e: Entry) -> None:
+        """Mark live entry ``e`` most recently used (as `get` of its key does)."""
+        self._entries.move_to_end(e.key)
 
     def resize(self, e: Entry, nbytes: int) -> None:
         self.nbytes += nbytes - e.nbytes
@@ -62,6 +68,7 @@ class BufferCache:
             if e.pinned or any(e is k for k in keep):
                 continue
             del self._entries[key]
+            e.live = False
             self.nbytes -= e.nbytes
             self.evictions += 1
             self._retire(e.obj, e.token)
@@ -79,5 +86,7 @@ class BufferCache:
         return [e.obj for e in self._entries.values()]
 
     def clear(self) -> None:
+        for e in self._entries.values():
+            e.live = False
         self._entries.clear()
         self.nbytes = 0

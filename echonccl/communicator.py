@@ -82,6 +82,36 @@ def _size_class(nbytes: int) -> int:
 
 
 _MAX_SIGNATURES = 4096      # signatures remembered as checked, layouts kept (small objects)
+_MAX_PREPARED = 1024        # prepared calls kept (pointers and small objects, no caller arrays)
+
+
+def _nothing(_stream, _x, _out) -> None:
+    pass
+
+
+class _Prepared:
+    """A checked call's work with its buffers resolved: ``run(stream, x, out)`` (x and out: the
+    caller's arrays of this call; nothing here holds them), replayed by later calls with the same
+    buffers and options while `ready`: the cache entries it uses are still cached, an explicit
+    `Feedback` still holds the same residuals, and ``valid()`` (the engine's, e.g. the peer
+    region still current) holds."""
+
+    __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "schedule_path")
+
+    def __init__(self, sig, run, valid=None, entries=(), feedback=None, schedule_path=False):
+        self.sig, self.run, self.valid, self.entries = sig, run, valid, entries
+        self.feedback, self.schedule_path = feedback, schedule_path
+        self.residuals = None if feedback is None else feedback.residuals
+        self.enabled = None if feedback is None else feedback.enabled
+
+    def ready(self) -> bool:
+        for e in self.entries:
+            if not e.live:
+                return False
+        fb = self.feedback
+        if fb is not None and (fb.residuals is not self.residuals or fb.enabled is not self.enabled):
+            return False
+        return self.valid is None or bool(self.valid())
 
 
 def _pick_engine(name: str, comm, cfg, device):
@@ -134,6 +164,7 @@ class Communicator:
         # workspaces ("ws", slice-bytes class) and default feedback states ("fb", count, dtype)
         self._cache = BufferCache(self.config.cache_bytes, self.engine.retire)
         self._checked: OrderedDict = OrderedDict()
+        self._prepared: OrderedDict = OrderedDict()     # call key -> _Prepared (`all_reduce`)
         self._closed = False
         self._failure: str | None = None
         if _config.debug_enabled() and self.rank == 0:
@@ -174,6 +205,18 @@ class Communicator:
         """
         self._check_open()
         eng = self.engine
+        key = None if out is None else eng.call_key(x, out)
+        if key is not None:
+            key = (key, feedback, algorithm, rounds)
+            try:
+                prep = self._prepared.get(key)
+            except TypeError:               # an unhashable argument: the full path says what is wrong
+                prep = key = None
+            if prep is not None and prep.ready():
+                s = eng.call_stream(stream)
+                if s is not None:
+                    self._replay(prep, s, x, out)
+                    return out
         with eng.call_scope(stream):        # GPU: this communicator's device, and `stream`
             xa = eng.as_array(x)
             name = dtypes.canonical(xa.dtype)
@@ -184,38 +227,80 @@ class Communicator:
             rounds = self._rounds(rounds, feedback, algo)
             # Every argument error above is local and raised before any communication. From
             # here on, a failure may leave the ranks out of step: it marks the communicator failed.
-            self._check_consistent(CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name,
-                                                 algorithm=algo, group=self.config.group_size,
-                                                 no_feedback=feedback is False, rounds=rounds,
-                                                 codec=self.config.codec))
+            sig = CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name, algorithm=algo,
+                                group=self.config.group_size, no_feedback=feedback is False, rounds=rounds,
+                                codec=self.config.codec)
+            self._check_consistent(sig)
             try:
-                if xa.size == 0:
-                    pass
-                elif self.size == 1:
-                    if oa is not xa:
-                        eng.copy(of, xf)
-                elif algo == "nccl":
-                    eng.baseline_all_reduce(xf, of)
-                elif algo == "one_shot":
-                    eng.one_shot(xf, of)
-                else:
-                    layout = self._layout(xa.size)
-                    capturing = eng.is_capturing()
-                    fb_entry = self._default_entry(layout.count, name) if feedback is None else None
-                    fused = eng.fused_schedule(algo, layout)     # one kernel in registered buffers
-                    ws = None if fused is not None else self._workspace(layout, capturing, fb_entry)
-                    state = self._feedback(feedback, layout, name, fb_entry, ws, capturing)
-                    if self._cache.nbytes > self._cache.limit:    # what an earlier call left over the bound
-                        self._make_room(0, (ws, fb_entry), capturing)
-                    if fused is not None:
-                        fused(layout, xf, of, state, rounds)
-                    else:
-                        run_rounds(SCHEDULES[algo], eng.kernels, eng.transport, layout, xf, of, state,
-                                   ws.obj.workspace(layout), rounds)
+                prep = self._prepare(sig, xf, of, feedback, name, rounds)
+                prep.run(eng.use_token(), xa, oa)
             except BaseException as exc:
                 self._fail(exc)
                 raise
+            if key is not None:
+                self._prepared[key] = prep
+                if len(self._prepared) > _MAX_PREPARED:
+                    self._prepared.popitem(last=False)
         return out if out is not None else oa
+
+    def _prepare(self, sig: CallSignature, xf, of, feedback, name: str, rounds: int) -> "_Prepared":
+        """The work of a checked call of flat arrays ``xf`` -> ``of``, its buffers resolved
+        (allocated or evicted as needed): what this call runs, and what a later call with the
+        same buffers replays (``run`` gets that call's arrays, of the caller's shape)."""
+        eng, algo = self.engine, sig.algorithm
+        if xf.size == 0 or (self.size == 1 and eng.same_memory(xf, of)):
+            return _Prepared(sig, _nothing)
+        if self.size == 1:
+            return _Prepared(sig, lambda _s, x, out: eng.copy(eng.flat(out), eng.flat(x)))
+        if algo == "nccl":
+            return _Prepared(sig, *eng.prepare_baseline(xf, of))
+        if algo == "one_shot":
+            return _Prepared(sig, *eng.prepare_one_shot(xf, of))
+        layout = self._layout(xf.size)
+        capturing = eng.is_capturing()
+        fb_entry = self._default_entry(layout.count, name) if feedback is None else None
+        fused = eng.fused_schedule(algo, layout)     # one kernel in registered buffers
+        ws = None if fused is not None else self._workspace(layout, capturing, fb_entry)
+        state = self._feedback(feedback, layout, name, fb_entry, ws, capturing)
+        if self._cache.nbytes > self._cache.limit:    # what an earlier call left over the bound
+            self._make_room(0, (ws, fb_entry), capturing)
+        entries = tuple(e for e in (fb_entry, ws) if e is not None)
+        fb = feedback if feedback is not None and feedback is not False else None
+        if fused is not None:
+            launch, valid = fused(layout, xf, of, state, rounds)
+            run = lambda stream, _x, _out: launch(stream)     # noqa: E731
+        else:
+            valid, schedule, wsv = None, SCHEDULES[algo], ws.obj.workspace(layout)
+
+            def run(_stream, x, out):
+                run_rounds(schedule, eng.kernels, eng.transport, layout, eng.flat(x), eng.flat(out), state, wsv,
+                           rounds)
+        return _Prepared(sig, run, valid, entries, fb, schedule_path=fused is None)
+
+    def _replay(self, prep: "_Prepared", stream, x, out) -> None:
+        """Run a prepared call again: the checks and cache bookkeeping a full call of the same
+        buffers would do, in the same order on every rank (so the ranks' caches stay in step)."""
+        eng = self.engine
+        if eng.per_call_check or prep.sig not in self._checked:
+            self._check_consistent(prep.sig)
+        else:
+            self._checked.move_to_end(prep.sig)
+        try:
+            if prep.entries:
+                capturing = eng.stream_capturing(stream)
+                for e in prep.entries:
+                    self._cache.touch(e)
+                    self._use(e, capturing, stream)
+                if self._cache.nbytes > self._cache.limit:
+                    self._make_room(0, prep.entries, capturing)
+            if prep.schedule_path:           # schedules enqueue on the current stream
+                with eng.call_scope(stream):
+                    prep.run(stream, x, out)
+            else:
+                prep.run(stream, x, out)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def baseline_all_reduce(self, x, out=None, *, stream=None):
         """The plain sum (NCCL's ncclAllReduce on GPU, MPI on CPU), for baselines and small sizes."""
@@ -277,6 +362,7 @@ class Communicator:
         if not self._closed:
             self._closed = True
             self._layouts.clear()
+            self._prepared.clear()
             self._cache.clear()
             if self._failure is not None:
                 self.engine.abort()     # the peers may be gone: nothing collective, nothing to wait for
@@ -441,8 +527,8 @@ class Communicator:
             self.engine.reap()
             self._cache.make_room(nbytes, keep)
 
-    def _use(self, entry, capturing: bool) -> None:
-        entry.token = self.engine.use_token()
+    def _use(self, entry, capturing: bool, token=None) -> None:
+        entry.token = self.engine.use_token() if token is None else token
         if capturing:
             entry.pinned = True     # a CUDA graph now holds its pointers: kept until unpin_all/close
 

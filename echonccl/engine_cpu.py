@@ -72,9 +72,29 @@ class CpuEngine:
         """The CPU engine runs every schedule as written (no fused implementations)."""
         return None
 
-    def one_shot(self, x, out) -> None:
+    # prepared calls (`Communicator`'s replay of a call whose buffers it has seen)
+    def call_key(self, x, out):
+        """The buffers of a call as a hashable (address and read-only flag, shape, strides, dtype
+        of ``x`` and of ``out``, which may be ``x``) for numpy arrays; None for anything else."""
+        if type(x) is not np.ndarray or (out is not x and type(out) is not np.ndarray):
+            return None
+        kx = (x.__array_interface__["data"], x.shape, x.strides, x.dtype)
+        return kx if out is x else (kx, out.__array_interface__["data"], out.shape, out.strides, out.dtype)
+
+    def call_stream(self, stream):
+        """No streams here: every call may replay (``stream`` is ignored, as by `call_scope`)."""
+        return 0
+
+    def stream_capturing(self, stream) -> bool:
+        return False
+
+    def prepare_baseline(self, x, out):
+        """The baseline as ``(run(stream, x, out), None)``: the arrays come with each call."""
+        return (lambda _stream, x, out: self.baseline_all_reduce(x.reshape(-1), out.reshape(-1))), None
+
+    def prepare_one_shot(self, x, out):
         """The 16-bit one-shot's CPU stand-in: the baseline (a float32 sum rounded once)."""
-        self.baseline_all_reduce(x, out)
+        return self.prepare_baseline(x, out)
 
     def call_scope(self, stream):
         return contextlib.nullcontext()

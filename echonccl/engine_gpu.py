@@ -262,23 +262,56 @@ class GpuEngine:
         """NCCL's own ncclAllReduce (sum) on the current stream."""
         self.nccl.all_reduce(x.data.ptr, out.data.ptr, x.size, dtypes.canonical(x.dtype), _current_stream_ptr())
 
+    # -- prepared calls (`Communicator`'s replay of a call whose buffers it has seen) --------------
+    def call_key(self, x, out):
+        """The buffers of a call as a hashable (pointer, shape, strides, dtype of ``x`` and of
+        ``out``, which may be ``x``) for cupy arrays; None for anything else (no replay)."""
+        if type(x) is not cupy.ndarray or (out is not x and type(out) is not cupy.ndarray):
+            return None
+        kx = (x.data.ptr, x.shape, x.strides, x.dtype)
+        return kx if out is x else (kx, out.data.ptr, out.shape, out.strides, out.dtype)
+
+    def call_stream(self, stream):
+        """The cupy stream a replayed call runs on (``stream``, else the current one), or None
+        when the call must take the full path (another device is current, or ``stream`` is not
+        a cupy stream)."""
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            return None
+        if stream is None:
+            return cupy.cuda.get_current_stream()
+        return stream if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)) else None
+
+    def stream_capturing(self, stream) -> bool:
+        """``stream`` is capturing a CUDA graph (yes when CUDA cannot tell: pinning is the safe side)."""
+        try:
+            return bool(stream.is_capturing())
+        except Exception:  # noqa: BLE001
+            return True
+
+    def prepare_baseline(self, x, out):
+        """NCCL's all-reduce of these buffers as ``(run(stream, x, out), None)``."""
+        run = self.nccl.prepare_all_reduce(x.data.ptr, out.data.ptr, x.size, dtypes.canonical(x.dtype))
+        return (lambda stream, _x, _out: run(stream.ptr)), None
+
+    def prepare_one_shot(self, x, out):
+        """The 16-bit one-shot through peer memory (NCCL's all-reduce where there is none) of these
+        buffers as ``(run(stream, x, out), valid)`` (``valid``: None, or a check that it still applies)."""
+        if self.fused is not None and self.fused.one_shot_fits(x):
+            launch, valid = self.fused.prepare_one_shot(x, out)
+            return (lambda stream, _x, _out: launch(stream)), valid
+        return self.prepare_baseline(x, out)
+
     def fused_schedule(self, algo: str, layout):
-        """The fused one-kernel implementation of schedule ``algo`` for ``layout`` (a callable
-        ``(layout, x, out, state, rounds)``), or None: then the schedule runs over NCCL."""
+        """The fused one-kernel implementation of schedule ``algo`` for ``layout``, as a
+        ``prepare(layout, x, out, state, rounds) -> (run(stream), valid)``, or None: then the
+        schedule runs over NCCL."""
         if self.fused is not None and algo == "two_shot" and self.fused.two_shot_fits(layout):
-            return self.fused.two_shot
+            return self.fused.prepare_two_shot
         return None
 
     def small_algorithm(self) -> str:
         """What ``auto`` runs below the crossover: the 16-bit peer-memory one-shot, else NCCL."""
         return "one_shot" if self.fused is not None else "nccl"
-
-    def one_shot(self, x, out) -> None:
-        """16-bit one-shot all-reduce through peer memory (NCCL's all-reduce where there is none)."""
-        if self.fused is not None and self.fused.one_shot_fits(x):
-            self.fused.one_shot(x, out)
-        else:
-            self.baseline_all_reduce(x, out)
 
     def crossover_bytes(self, nranks: int) -> int:
         """Below this input size ``auto`` dispatches to NCCL's own all-reduce.

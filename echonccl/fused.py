@@ -115,8 +115,9 @@ class _Launch:
         base = ctypes.addressof(self.vals)
         self.params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
 
-    def __call__(self, stream_ptr: int) -> None:
-        err = self._cu.cuLaunchKernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream_ptr, self.params, None)
+    def __call__(self, stream) -> None:
+        """Enqueue on ``stream`` (a cupy stream)."""
+        err = self._cu.cuLaunchKernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream.ptr, self.params, None)
         if err:
             from .errors import EchoncclError
 
@@ -169,17 +170,25 @@ class FusedPaths:
 
     def two_shot(self, layout, x, out, state, rounds: int = 1) -> None:
         """The fused two_shot of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
-        S = layout.slice_elems
-        T = fused_tiles(S)
+        self.prepare_two_shot(layout, x, out, state, rounds)[0](self._stream())
+
+    def prepare_two_shot(self, layout, x, out, state, rounds: int = 1):
+        """``(run, valid)``: ``run(stream)`` enqueues the fused two_shot of these buffers on a cupy
+        stream; ``valid()`` stays true while the region it uses serves new calls."""
+        T = fused_tiles(layout.slice_elems)
         region = self._region(layout.slice_bytes, T)
         res = (0, 0) if state is None else (state.inputs.data.ptr, state.output.data.ptr)
         key = (id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
                x.data.ptr, x.size, out.data.ptr) + res
         first, more = self._plans.get_or_make(key, lambda: self._two_shot_plan(layout, T, region, x, out, state))
-        stream = self._stream().ptr
-        first(stream)
-        for _ in range(rounds - 1):
-            more(stream)
+        if rounds == 1:
+            run = first
+        else:
+            def run(stream, first=first, more=more, extra=rounds - 1):
+                first(stream)
+                for _ in range(extra):
+                    more(stream)
+        return run, self._current(region)
 
     def _two_shot_plan(self, layout, T, region, x, out, state):
         """The launches of round 1 and of a refinement round (empty input, accumulate)."""
@@ -203,9 +212,13 @@ class FusedPaths:
     def one_shot(self, x, out) -> None:
         """16-bit one-shot sum of ``x`` into ``out`` (flat engine arrays of one dtype): up to
         `LL_MAX_BYTES` (4-byte aligned) as low-latency lines, else in flagged tiles; the same bits."""
+        self.prepare_one_shot(x, out)[0](self._stream())
+
+    def prepare_one_shot(self, x, out):
+        """``(run, valid)`` of the one-shot of these buffers (as `prepare_two_shot`)."""
         n8, T, region = self._one_shot_region(x.size, x.itemsize)
         key = (id(region), x.dtype, x.data.ptr, x.size, out.data.ptr)
-        self._plans.get_or_make(key, lambda: self._one_shot_plan(x, out, n8, T, region))(self._stream().ptr)
+        return self._plans.get_or_make(key, lambda: self._one_shot_plan(x, out, n8, T, region)), self._current(region)
 
     def _one_shot_plan(self, x, out, n8, T, region):
         t = _SHORT[dtypes.canonical(x.dtype)]
@@ -233,6 +246,11 @@ class FusedPaths:
 
     def close(self) -> None:
         self.peers.close()
+
+    def _current(self, region):
+        """A check that ``region`` is still the one new calls get (a larger size makes a new one)."""
+        peers = self.peers
+        return lambda: bool(peers.regions) and peers.regions[-1] is region
 
     def _region(self, slice_bytes: int, ntiles: int):
         return self.peers.region_for(slice_bytes, ntiles, self._capturing)

@@ -351,6 +351,22 @@ class NcclComm:
         self.lib.check(self._allreduce(send_ptr, recv_ptr, count, dt, ncclSum, self._live(), stream_ptr),
                        "ncclAllReduce", self._handle)
 
+    def prepare_all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype_name: str):
+        """`all_reduce` of these buffers as a ``run(stream_ptr)`` with its arguments converted
+        once (what a repeated call costs on the host: one ctypes call)."""
+        dt = DTYPES.get(dtype_name)
+        if dt is None:
+            raise ValueError(f"NCCL has no dtype {dtype_name!r}; one of {sorted(DTYPES)}")
+        fn, check, handle = self._allreduce, self.lib.check, self._handle
+        args = (c_void_p(send_ptr), c_void_p(recv_ptr), ctypes.c_size_t(count), ctypes.c_int(dt),
+                ctypes.c_int(ncclSum))
+
+        def run(stream_ptr: int) -> None:
+            code = fn(*args, self._handle or self._live(), stream_ptr)
+            if code:
+                check(code, "ncclAllReduce", handle)
+        return run
+
     def group_start(self) -> None:
         code = self._gstart()
         if code:

@@ -20,7 +20,8 @@ from conftest import run_mpi  # noqa: E402
 from test_hardening import (SURVIVOR_EXIT, SURVIVOR_LINE, UNFINALIZED_EXIT,  # noqa: E402
                             assert_failed_communicators_refuse, run_check, run_fault)
 
-CHECKS = ["bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "device"]
+CHECKS = ["bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "device",
+          "replay"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

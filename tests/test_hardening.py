@@ -97,7 +97,7 @@ UNFINALIZED = ("local_error", "out_of_step", "after_failure")
 
 # -- multi-rank checks --------------------------------------------------------------------------
 SIMPLE = [(c, n) for c in ("bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume",
-                           "cache")
+                           "cache", "replay")
           for n in (2, 3)]
 
 

@@ -756,6 +756,82 @@ def _size_class_of(comm, n: int) -> int:
     return _size_class(comm._layout(n).slice_bytes)
 
 
+def check_replay():
+    """A call whose buffers the communicator has seen replays its prepared work (no checks,
+    lookups or argument conversion again: the host's fast path) and must give bitwise what the
+    full path gives: every algorithm, default, explicit and no feedback, rounds 1 and 2, new
+    data in the same buffers, in place, a state reloaded mid-way (new residual buffers), a
+    cache small enough to evict the default states between calls. The full path is forced on
+    a twin communicator with ``out=None`` (a new array each call: never replayed). Then: a
+    read-only view of a replayed ``out`` is still refused, and on the CPU engine (signatures
+    compared on every call) a rank that replays while another calls differently gets the
+    MismatchError."""
+    algos = ALGOS + ("nccl", "one_shot", "auto")
+    for cache in (1 << 40, 64 << 10):
+        fast, full = new_comm(cache_bytes=cache), new_comm(WORLD.Dup(), cache_bytes=cache)
+        for algo in algos:
+            for fb_kind in ("default", "explicit", "off"):
+                for rounds in (1, 2):
+                    if rounds == 2 and (fb_kind == "off" or algo in ("nccl", "one_shot")):
+                        continue
+                    for n, dt in ((3000, "bfloat16"), (777, "float32")):
+                        _replay_sequence(fast, full, algo, fb_kind, rounds, n, dt, cache)
+        assert len(fast._prepared) > 0, "nothing was prepared"
+        fast.close()
+        full.close()
+    comm = new_comm()
+    x = to_engine(rank_data(512, "float32", 1))
+    out = to_engine(np.zeros(512, np.float32))
+    comm.all_reduce(x, out)
+    comm.all_reduce(x, out)
+    if ENGINE == "cpu":
+        ro = out.view()
+        ro.flags.writeable = False
+        expect_raises(ValueError, "read-only", comm.all_reduce, x, ro)
+        y = to_engine(rank_data(1024 if RANK == P - 1 else 512, "float32", 2))
+        o2 = to_engine(np.zeros(y.size, np.float32))
+        e = expect_raises(MismatchError, "different arguments", comm.all_reduce, y if RANK == P - 1 else x,
+                          o2 if RANK == P - 1 else out)
+        assert "count=1024" in str(e) and "count=512" in str(e), e
+        comm.all_reduce(x, out)        # still usable, and in step
+    comm.close()
+
+
+def _replay_sequence(fast, full, algo, fb_kind, rounds, n, dt, cache) -> None:
+    what = f"{algo} feedback={fb_kind} rounds={rounds} n={n} {dt} cache={cache}"
+    states = {"explicit": (fast.new_feedback(), full.new_feedback()), "off": (False, False),
+              "default": (None, None)}[fb_kind]
+    x = to_engine(np.zeros(n, dtypes.numpy_dtype(dt)))
+    out = to_engine(np.zeros(n, dtypes.numpy_dtype(dt)))
+    for step in range(6):
+        data = rank_data(n, dt, seed=100 * step + 7)
+        x[...] = to_engine(data)
+        if step == 3 and fb_kind == "explicit":            # reload: new residual buffers on both
+            for c, st in zip((fast, full), states):
+                sd = st.state_dict()
+                st.load_state_dict({**sd, "key": None, "inputs": None, "output": None})
+                st.load_state_dict(sd, zeros=c.engine.zeros)
+        if cache < (1 << 20) and fb_kind == "default":       # evict the default states
+            for c in (fast, full):
+                c.all_reduce(to_engine(rank_data(40_000, "float32", step)), feedback=None, algorithm="two_shot")
+        in_place = step == 5
+        if in_place:
+            y = fast.all_reduce(x, x, feedback=states[0], algorithm=algo, rounds=rounds if rounds > 1 else None)
+        else:
+            y = fast.all_reduce(x, out, feedback=states[0], algorithm=algo, rounds=rounds if rounds > 1 else None)
+        z = full.all_reduce(to_engine(data), None, feedback=states[1], algorithm=algo,
+                            rounds=rounds if rounds > 1 else None)
+        assert canonical_f32(y).tobytes() == canonical_f32(z).tobytes(), f"{what} step {step}: replay differs"
+    if fb_kind == "explicit":
+        for a, b in zip(_residual_arrays(states[0]), _residual_arrays(states[1])):
+            assert a.tobytes() == b.tobytes(), f"{what}: residuals differ"
+
+
+def _residual_arrays(fb):
+    sd = fb.state_dict()
+    return [np.asarray(sd[k]) for k in ("inputs", "output") if sd.get(k) is not None]
+
+
 def check_device():
     """GPU: the communicator and the arrays agree on the device without the caller picking it.
     Arrays made after creating a communicator, after closing it, after creating another, are
@@ -1014,7 +1090,8 @@ def _property_case(comm, c) -> None:
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_bad_input, check_local_error, check_empty, check_mismatch, check_out_of_step, check_after_failure,
            check_nonfinite, check_subnormal, check_peer_exit, check_peer_exit_first, check_peer_hang,
-           check_close_reopen, check_cache, check_device, check_determinism, check_resume, check_properties)}
+           check_close_reopen, check_cache, check_device, check_determinism, check_resume, check_properties,
+           check_replay)}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
