@@ -306,6 +306,87 @@ __device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const flo
     }
 }
 
+// ------------------------------------------------- residuals in 8-bit blocks
+// The int8 residual format (codec.py, "Residuals"): per 512 elements, 512 int8 mantissas then
+// 16 exponent bytes (one per 32-element block, = 4 lanes). `i8res_t` marks a residual pointer
+// of that format (bytes); the res_* functions below load / store any residual type for thread
+// t of a slice (elements 8t .. 8t+7). res_store of i8res_t reduces over the 4 lanes of a block
+// with full-mask shuffles: every lane of the warp must call it together.
+struct i8res_t { unsigned char x; };
+typedef i8res_t i8;
+template <typename R> struct IsI8 { static constexpr bool v = false; };
+template <> struct IsI8<i8res_t> { static constexpr bool v = true; };
+constexpr i64 kResSuperBytes = 528;   // codec.RES_SUPER_BYTES
+
+__device__ __forceinline__ i64 i8_mant_off(i64 t) { return (t >> 6) * kResSuperBytes + ((t & 63) << 3); }
+__device__ __forceinline__ i64 i8_exp_off(i64 t) { return (t >> 6) * kResSuperBytes + 512 + ((t & 63) >> 2); }
+
+// Residual pointer p advanced by `elems` residuals (a multiple of 512 for i8res_t).
+template <typename R>
+__device__ __forceinline__ R* res_at(R* p, i64 elems) {
+    if constexpr (IsI8<R>::v) return reinterpret_cast<R*>(reinterpret_cast<unsigned char*>(p) + (elems >> 9) * kResSuperBytes);
+    else return p + elems;
+}
+
+template <typename R> struct ResRaw { Raw8<R> r; };
+template <> struct ResRaw<i8res_t> { uint2 m; u32 x; };
+
+template <typename R>
+__device__ __forceinline__ ResRaw<R> res_load(const R* p, i64 t, i64 S, bool vec) {
+    ResRaw<R> r;
+    if constexpr (IsI8<R>::v) {
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+        r.m = *reinterpret_cast<const uint2*>(b + i8_mant_off(t));
+        r.x = b[i8_exp_off(t)];
+    } else {
+        r.r = load_raw8<R, false>(p, t << 3, S, vec);
+    }
+    return r;
+}
+
+// float32 values: fl(max(m, -127) * 2^(min(max(x, 7), 254) - 133)) for i8res_t.
+template <typename R>
+__device__ __forceinline__ void res_unpack(const ResRaw<R>& r, float (&v)[8]) {
+    if constexpr (IsI8<R>::v) {
+        const u32 x = min(max(r.x, 7u), 254u);
+        const float mul = bitsf((x - 6u) << 23);
+        const u32 w[2] = {r.m.x, r.m.y};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int m = max((int)(signed char)((w[i >> 2] >> (8 * (i & 3))) & 0xffu), -127);
+            v[i] = mul_rn((float)m, mul);
+        }
+    } else {
+        unpack8<R>(r.r.w, v);
+    }
+}
+
+// Store 8 finite residuals e (rounded to R; for i8res_t: the block's exponent from the 4 lanes'
+// largest |e|, x = max(E, 7), m = clip(rint(fl(e * 2^(133 - x))), -127, 127)).
+template <typename R>
+__device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const float (&e)[8]) {
+    if constexpr (IsI8<R>::v) {
+        u32 a = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = max(a, abs_bits(e[i]));
+        a = max(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        a = max(a, __shfl_xor_sync(0xffffffffu, a, 2));
+        const u32 x = max(a >> 23, 7u);
+        const float mul = bitsf((260u - x) << 23);
+        u32 w[2] = {0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int m = min(127, max(-127, rint_s32(mul_rn(e[i], mul))));
+            w[i >> 2] |= ((u32)m & 0xffu) << (8 * (i & 3));
+        }
+        unsigned char* b = reinterpret_cast<unsigned char*>(p);
+        *reinterpret_cast<uint2*>(b + i8_mant_off(t)) = make_uint2(w[0], w[1]);
+        if ((t & 3) == 0) b[i8_exp_off(t)] = (unsigned char)x;
+    } else {
+        store8f<R>(p, t << 3, S, vec, e);
+    }
+}
+
 // ------------------------------------------------------------- wire decoding
 // The 8 codes of a packed 32-bit word as floats, exactly, with no conversion
 // instruction and no per-code shift. Code j (0..3) of a 16-bit half h sits in
@@ -464,27 +545,27 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 
     i64 t = t_first;
     Raw8<InT> own_next;
-    Raw8<ResT> res_next;
+    ResRaw<ResT> res_next;
     if (ECHO_PREFETCH && t < nthreads) {
         own_next = load_raw8<InT, true>(own, t << 3, own_n, own_vec);
-        if (residual != nullptr) res_next = load_raw8<ResT, false>(residual, t << 3, S, res_vec);
+        if (residual != nullptr) res_next = res_load<ResT>(residual, t, S, res_vec);
     }
     for (; t < nthreads; t += stride) {
         const i64 e0 = t << 3;
         const i64 grp = t / kLanes;
 
         Raw8<InT> own_r;
-        Raw8<ResT> res_r;
+        ResRaw<ResT> res_r;
         if (ECHO_PREFETCH) {
             own_r = own_next;
             res_r = res_next;
             if (t + stride < nthreads) {
                 own_next = load_raw8<InT, true>(own, e0 + (stride << 3), own_n, own_vec);
-                if (residual != nullptr) res_next = load_raw8<ResT, false>(residual, e0 + (stride << 3), S, res_vec);
+                if (residual != nullptr) res_next = res_load<ResT>(residual, t + stride, S, res_vec);
             }
         } else {
             own_r = load_raw8<InT, true>(own, e0, own_n, own_vec);
-            if (residual != nullptr) res_r = load_raw8<ResT, false>(residual, e0, S, res_vec);
+            if (residual != nullptr) res_r = res_load<ResT>(residual, t, S, res_vec);
         }
         float own_v[8], res_v[8];
         unpack8<InT>(own_r.w, own_v);
@@ -517,7 +598,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         }
         if (opos >= nin) add_terms(acc, own_v);
         if (residual != nullptr) {
-            unpack8<ResT>(res_r.w, res_v);
+            res_unpack<ResT>(res_r, res_v);
             add_terms(acc, res_v);
         }
 
@@ -605,7 +686,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 const float d = sub_rn(acc[i], e[i]);
                 e[i] = (finite && is_finite(d)) ? d : 0.0f;
             }
-            store8f<ResT>(residual, e0, S, res_vec, e);
+            res_store<ResT>(residual, t, S, res_vec, e);
         }
     }
 }

@@ -17,7 +17,8 @@
 //       grid.y = number of slices to decode (ceil(count / S))
 //   and the same three with the suffix _h32: the rotated codec int4-h32 (kRot).
 //
-// with <in>, <out> in {f16, bf16, f32}; <res>, <ref> in {f32, <in>}; G in
+// with <in>, <out> in {f16, bf16, f32}; <res> in {f32, <in>, i8} (i8: the 8-bit block
+// residual format, a byte pointer); <ref> in {f32, <in>}; G in
 // {32, 64, 128}. echonccl/kernels_cuda.py builds the same names
 // (`entry_points()`), and tests/test_cuda_compile.py checks the two agree.
 #include "codec.cuh"
@@ -26,8 +27,10 @@
 // (in, res, ref) combinations for one group size G.
 #define ECHO_RQ_COMBOS(X, G)                                                                                          \
     X(f16, f32, f32, G) X(f16, f32, f16, G) X(f16, f16, f32, G) X(f16, f16, f16, G)                                  \
+    X(f16, i8, f32, G) X(f16, i8, f16, G)                                                                             \
     X(bf16, f32, f32, G) X(bf16, f32, bf16, G) X(bf16, bf16, f32, G) X(bf16, bf16, bf16, G)                          \
-    X(f32, f32, f32, G)
+    X(bf16, i8, f32, G) X(bf16, i8, bf16, G)                                                                          \
+    X(f32, f32, f32, G) X(f32, i8, f32, G)
 #define ECHO_DQ_COMBOS(X, G) X(f16, G) X(bf16, G) X(f32, G)
 
 #define ECHO_FOR_EACH_GROUP(LIST, X) LIST(X, 32) LIST(X, 64) LIST(X, 128)

@@ -204,7 +204,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G, kRot>(x + lo, hi - lo, res_in ? res_in + s * S : nullptr,
+            phase_contribute<T, ResT, G, kRot>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
                                          table->recv[s] + slot * slice_bytes, S, j, T_);
             __syncthreads();
             if (threadIdx.x == 0) {
@@ -467,7 +467,8 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
                                         (echo::u64)timeout_ns);                                                       \
     }
 
-#define ECHO_FUSED_COMBOS(X, G) X(f16, f32, G) X(f16, f16, G) X(bf16, f32, G) X(bf16, bf16, G) X(f32, f32, G)
+#define ECHO_FUSED_COMBOS(X, G) \
+    X(f16, f32, G) X(f16, f16, G) X(f16, i8, G) X(bf16, f32, G) X(bf16, bf16, G) X(bf16, i8, G) X(f32, f32, G) X(f32, i8, G)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 32)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 64)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 128)

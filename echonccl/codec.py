@@ -94,8 +94,25 @@ the decoded value in float32 (for the owner's final requantization, the
 decoded value after rounding to the output dtype, so that the output's own
 rounding is fed back too). Any residual element that comes out non-finite
 (the group was non-finite, or the output overflowed) is stored as 0, so a
-NaN or Inf never poisons the next call. Residuals are stored as float32 or,
-optionally, in the input dtype.
+NaN or Inf never poisons the next call. Residuals are stored as float32, in the
+input dtype, or in the 8-bit block format below (``RESIDUAL_FORMATS``); the
+array's dtype says which (uint8: the block format).
+
+The 8-bit block format (``int8``) stores ``n`` residuals (``n`` a multiple of
+``RES_SUPER`` = 512) in ``n / 512 * 528`` bytes: per 512 elements, 512 int8
+mantissas ``m`` (element order) then 16 exponent bytes ``x``, one per block of
+32 consecutive elements. A block ``e`` (float32, finite) is stored as::
+
+    E = biased float32 exponent of max |e|   (bits >> 23; 0 for zero/subnormal)
+    x = max(E, 7)
+    m_i = clip(rint(fl(e_i * 2**(133 - x))), -127, 127)
+
+and read back as ``fl(max(m_i, -127) * 2**(min(max(x, 7), 254) - 133))`` (exact
+and finite for any bytes: |m| < 2**7 and the power of two is a normal float32;
+bytes that were never written, all zero, read as zeros). Every element is kept to 1/256 of its block's largest
+magnitude (1/128 at worst): a residual is at most about half a quantization
+step, so what the format drops is some 1/300 of one call's quantization error,
+at a quarter of float32's bytes.
 """
 from __future__ import annotations
 
@@ -110,6 +127,10 @@ ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512
 QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
+RESIDUAL_FORMATS = ("float32", "input", "int8")
+RES_BLOCK = 32              # elements per exponent byte of the int8 residual format
+RES_SUPER = 512             # elements per (mantissas, exponents) record of it
+RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
 
 _F32 = np.float32
 _SEVEN = np.float32(QMAX)
@@ -162,10 +183,11 @@ def unrotate(y: np.ndarray) -> np.ndarray:
 
 
 def residual_values(r: np.ndarray, codec: str) -> np.ndarray:
-    """What residuals ``r`` (any length a multiple of 32 for a rotated codec) owe the sum, in
-    float64 in the values' domain: ``r`` itself for ``int4``, the exact inverse rotation of
-    ``r`` (signs of H r) for ``int4-h32``. For tests and diagnostics."""
-    r = np.asarray(r, dtype=np.float64)
+    """What residuals ``r`` (any length a multiple of 32 for a rotated codec; any storage
+    format) owe the sum, in float64 in the values' domain: ``r`` itself for ``int4``, the exact
+    inverse rotation of ``r`` (signs of H r) for ``int4-h32``. For tests and diagnostics."""
+    r = np.asarray(r)
+    r = (load_residuals(r) if r.dtype == np.uint8 else r).astype(np.float64)
     if not rotated(codec):
         return r
     u = r.reshape(-1, ROT_BLOCK)
@@ -239,8 +261,54 @@ def decode(wire: np.ndarray, slice_elems: int, group: int) -> np.ndarray:
 
 
 def residual_of(v: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:
-    """``v - ref`` in float32, non-finite elements set to 0, stored as ``dtype``."""
+    """``v - ref`` in float32, non-finite elements set to 0, stored as ``dtype`` (uint8: the
+    8-bit block format)."""
     with np.errstate(invalid="ignore", over="ignore"):
         e = v - ref
     e[~np.isfinite(e)] = 0
-    return e.astype(dtype)
+    return encode_residuals(e) if np.dtype(dtype) == np.uint8 else e.astype(dtype)
+
+
+def residual_dtype(fmt: str, input_dtype) -> np.dtype:
+    """The array dtype residuals of format ``fmt`` (`RESIDUAL_FORMATS`) are stored in."""
+    if fmt not in RESIDUAL_FORMATS:
+        raise ValueError(f"residual format must be one of {RESIDUAL_FORMATS}, got {fmt!r}")
+    return np.dtype({"float32": np.float32, "int8": np.uint8}.get(fmt, input_dtype))
+
+
+def residual_size(n: int, dtype) -> int:
+    """Array elements holding ``n`` residuals stored as ``dtype``."""
+    if np.dtype(dtype) != np.uint8:
+        return n
+    if n % RES_SUPER:
+        raise ValueError(f"{n} residuals in the int8 format: not a multiple of {RES_SUPER}")
+    return n // RES_SUPER * RES_SUPER_BYTES
+
+
+def residual_span(r, lo: int, hi: int):
+    """The part of residual array ``r`` (numpy or cupy) holding elements ``[lo, hi)``."""
+    if r.dtype != np.uint8:
+        return r[lo:hi]
+    return r[residual_size(lo, r.dtype):residual_size(hi, r.dtype)]
+
+
+def load_residuals(r: np.ndarray) -> np.ndarray:
+    """float32 values of residual array ``r`` (any storage format)."""
+    if r.dtype != np.uint8:
+        return r.astype(_F32)
+    rec = r.reshape(-1, RES_SUPER_BYTES)
+    m = np.maximum(rec[:, :RES_SUPER].view(np.int8).reshape(-1, RES_BLOCK), -127).astype(_F32)
+    x = np.clip(rec[:, RES_SUPER:].reshape(-1).astype(np.uint32), 7, 254)
+    return (m * ((x - 6) << 23).view(_F32)[:, None]).reshape(-1)
+
+
+def encode_residuals(e: np.ndarray) -> np.ndarray:
+    """float32 residuals (finite, length a multiple of 512) in the 8-bit block format."""
+    b = np.ascontiguousarray(e, dtype=_F32).reshape(-1, RES_BLOCK)
+    x = np.maximum((b.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) >> 23, 7).astype(np.uint32)
+    with np.errstate(under="ignore"):
+        m = np.clip(np.rint(b * ((260 - x) << 23).view(_F32)[:, None]), -127, 127).astype(np.int8)
+    rec = np.empty((b.shape[0] // (RES_SUPER // RES_BLOCK), RES_SUPER_BYTES), dtype=np.uint8)
+    rec[:, :RES_SUPER] = m.view(np.uint8).reshape(-1, RES_SUPER)
+    rec[:, RES_SUPER:] = x.astype(np.uint8).reshape(-1, RES_SUPER // RES_BLOCK)
+    return rec.reshape(-1)

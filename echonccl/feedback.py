@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
+from . import codec as wire, dtypes
 from .errors import EchoncclError
 from .layout import Layout
 
@@ -43,8 +43,10 @@ class Feedback:
     The first call binds the state to its layout (count, ranks, group size)
     and input dtype, allocating zeroed residuals on the engine's device; a
     later call with another layout or dtype raises `EchoncclError` (create one
-    state per stream). ``residual_dtype`` is ``"float32"`` (default) or
-    ``"input"`` (the input dtype, half the memory, coarser feedback).
+    state per stream). ``residual_dtype`` is ``"float32"`` (default), ``"input"``
+    (the input dtype, half the memory, coarser feedback) or ``"int8"`` (8-bit
+    mantissas with an exponent byte per 32 elements, about a quarter of float32's
+    memory and traffic; `codec`, "Residuals").
     ``enabled = False`` turns feedback off: calls then neither read nor write
     the residuals. Calls using one state must be ordered (one stream).
 
@@ -58,8 +60,8 @@ class Feedback:
     STATE_VERSION = 2
 
     def __init__(self, residual_dtype: str = "float32", enabled: bool = True):
-        if residual_dtype not in ("float32", "input"):
-            raise ValueError(f"residual_dtype must be 'float32' or 'input', got {residual_dtype!r}")
+        if residual_dtype not in wire.RESIDUAL_FORMATS:
+            raise ValueError(f"residual_dtype must be one of {wire.RESIDUAL_FORMATS}, got {residual_dtype!r}")
         self.residual_dtype = residual_dtype
         self.enabled = enabled
         self.key = None
@@ -75,8 +77,9 @@ class Feedback:
         codec = layout.codec if codec is None else codec
         self.check_key(key, codec)
         if self.key is None:
-            dt = np.dtype("float32") if self.residual_dtype == "float32" else input_dtype
-            self.residuals = Residuals(zeros(layout.padded, dt), zeros(layout.slice_elems, dt))
+            dt = wire.residual_dtype(self.residual_dtype, input_dtype)
+            self.residuals = Residuals(zeros(wire.residual_size(layout.padded, dt), dt),
+                                       zeros(wire.residual_size(layout.slice_elems, dt), dt))
             self.key = key
             self.codec = codec
         return self.residuals
@@ -121,7 +124,7 @@ class Feedback:
                                 f"not {type(d).__name__}")
         residual_dtype, enabled, key = (_entry(d, k) for k in ("residual_dtype", "enabled", "key"))
         residual_dtype, enabled = _plain(residual_dtype), bool(enabled)
-        if residual_dtype not in ("float32", "input"):
+        if residual_dtype not in wire.RESIDUAL_FORMATS:
             raise EchoncclError(f"bad feedback state: residual_dtype {residual_dtype!r}")
         version, codec = _plain(d.get("version", 1)), _plain(d.get("codec", "int4"))
         if version not in (1, self.STATE_VERSION):
@@ -140,12 +143,12 @@ class Feedback:
             raise EchoncclError(f"feedback state of codec {codec!r} cannot load into a state bound "
                                 f"to codec {self.codec!r}")
         try:
-            dt = np.dtype("float32") if residual_dtype == "float32" else dtypes.numpy_dtype(key[3])
+            dt = wire.residual_dtype(residual_dtype, dtypes.numpy_dtype(key[3]))
             layout = Layout(key[0], key[1], key[2])
         except (TypeError, ValueError) as exc:
             raise EchoncclError(f"bad feedback state: key {key!r}: {exc}") from None
-        inputs = _as_dtype(_entry(d, "inputs"), dt, layout.padded, "inputs")
-        output = _as_dtype(_entry(d, "output"), dt, layout.slice_elems, "output")
+        inputs = _as_dtype(_entry(d, "inputs"), dt, wire.residual_size(layout.padded, dt), "inputs")
+        output = _as_dtype(_entry(d, "output"), dt, wire.residual_size(layout.slice_elems, dt), "output")
         for what, a in (("inputs", inputs), ("output", output)):
             if not np.isfinite(a.astype(np.float32)).all():   # the codec never stores NaN or Inf
                 raise EchoncclError(f"bad feedback state: {what} holds NaN or Inf (residuals are always "
@@ -193,7 +196,7 @@ def _as_dtype(a, dt: np.dtype, size: int, what: str) -> np.ndarray:
         return a
     if a.dtype.kind == "V" and a.dtype.itemsize == dt.itemsize:   # np.savez of bfloat16
         return a.view(dt)
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" or dt.kind != "f":
         raise EchoncclError(f"bad feedback state: {what} has dtype {a.dtype}, expected {dt}")
     return a.astype(dt)
 

@@ -62,7 +62,8 @@ def one_shot_name(dtype: str, low_latency: bool = False) -> str:
 
 
 # (input, residual) pairs of the fused two-shot, per group size (cuda_src/fused_kernels.cu).
-_FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("bf16", "f32"), ("bf16", "bf16"), ("f32", "f32"))
+_FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("f16", "i8"), ("bf16", "f32"), ("bf16", "bf16"), ("bf16", "i8"),
+                 ("f32", "f32"), ("f32", "i8"))
 
 
 def entry_points() -> list[str]:
@@ -199,7 +200,7 @@ class FusedPaths:
             r = "f32"
         else:
             res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
-            r = _SHORT[dtypes.canonical(state.inputs.dtype)]
+            r = "i8" if state.inputs.dtype.itemsize == 1 else _SHORT[dtypes.canonical(state.inputs.dtype)]
         kern = self.module.kernel(fused_name(t, r, G, layout.codec))
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,

@@ -52,8 +52,8 @@ _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 # type (ECHO_DQ_UNROLL16 / ECHO_DQ_UNROLL32 in codec.cuh; only sizes the grid).
 _DQ_UNROLL = {"f16": 2, "bf16": 2, "f32": 1}
 # (input, residual, ref) combinations instantiated in echo_kernels.cu, per group size.
-_RQ_COMBOS = tuple((i, r, f) for i in ("f16", "bf16") for r in ("f32", i) for f in ("f32", i)) + (
-    ("f32", "f32", "f32"),)
+_RQ_COMBOS = tuple((i, r, f) for i in ("f16", "bf16") for r in ("f32", i, "i8") for f in ("f32", i)) + (
+    ("f32", "f32", "f32"), ("f32", "i8", "f32"))
 _DQ_TYPES = ("f16", "bf16", "f32")
 
 _PKG_DIR = Path(__file__).resolve().parent
@@ -275,11 +275,11 @@ class CudaKernels:
         if res_dt is None:
             r = f = "f32"  # feedback off: any instantiation; the residual pointer is null
         else:
-            r = _short(res_dt)
+            r = "i8" if np.dtype(res_dt) == np.uint8 else _short(res_dt)
             f = _short(np.dtype(ref_dt))
-            if r not in ("f32", i) or f not in ("f32", i):
-                raise TypeError(f"reduce_quantize: residual {res_dt} and ref {ref_dt} must each be "
-                                f"float32 or the input dtype {in_dt}")
+            if r not in ("f32", i, "i8") or f not in ("f32", i):
+                raise TypeError(f"reduce_quantize: residual {res_dt} must be float32, the input dtype {in_dt} "
+                                f"or uint8 (the int8 block format), ref {ref_dt} float32 or {in_dt}")
         k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group),
                                                 codec.check_codec(codec_name)))
         self._rq[key] = k
@@ -310,8 +310,9 @@ class CudaKernels:
                 raise ValueError(f"own_pos {own_pos} outside [0, {n_in}]")
             if own.size > S or (own.size > 1 and own.strides[0] != own.itemsize):
                 raise ValueError(f"own must be a contiguous 1-D view of at most {S} elements")
-            if residual is not None and (residual.size != S or residual.strides[0] != residual.itemsize):
-                raise ValueError(f"residual must be a contiguous 1-D view of {S} elements")
+            if residual is not None and (residual.size != codec.residual_size(S, residual.dtype)
+                                         or residual.strides[0] != residual.itemsize):
+                raise ValueError(f"residual must be a contiguous 1-D view of {S} residuals")
             if wire_out.size < B or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
         if base is not None and base.size == 0:

@@ -36,7 +36,7 @@ class NumpyKernels:
             for t in terms[1:]:
                 acc += t
             if residual is not None:
-                acc += residual.astype(_F32)
+                acc += codec.load_residuals(residual)
         q, scale = codec.quantize_groups(acc, G)
         codes, scales = codec.split_wire(wire_out, S)
         codes[:] = codec.pack_codes(q)

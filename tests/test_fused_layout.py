@@ -81,7 +81,7 @@ def test_no_growth_during_a_capture():
 
 def test_entry_point_names():
     names = fused.entry_points()
-    assert len(names) == len(set(names)) == 2 * 15 + 6
+    assert len(names) == len(set(names)) == 2 * 24 + 6          # 8 (input, residual) pairs x 3 groups x 2 codecs; one-shots
     assert fused.fused_name("bf16", "bf16", 32) in names
     assert fused.fused_name("bf16", "bf16", 32, "int4-h32") == "echo_fused_two_shot_bf16_resbf16_g32_h32"
     assert "echo_one_shot_ll_f32" in names

@@ -1,6 +1,6 @@
 """CudaKernels against NumpyKernels, bit for bit (needs cupy and a CUDA device; skipped otherwise).
 
-Every input dtype x residual (none / float32 / input dtype) x group size, with
+Every input dtype x residual (none / float32 / input dtype / int8 blocks) x group size, with
 incoming wires from the numpy reference (NaN, zero, subnormal and huge scales
 included), own contributions full / partial / odd / empty / unaligned, the own
 term at every kind of position, residuals fed back over consecutive calls;
@@ -104,6 +104,8 @@ def make_residual(rng, dtype, kind: str):
     r = (rng.standard_normal(S) * 0.05).astype(np.float32)
     r[7] = 1e-40
     r[100] = -3.0e4  # large enough to push a float16 sum toward overflow
+    if kind == "i8":                     # the 8-bit block format (codec, "Residuals")
+        return codec.encode_residuals(r)
     return r.astype(rdt)
 
 
@@ -160,7 +162,7 @@ def ck():
 
 
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
-@pytest.mark.parametrize("res", ["none", "f32", "input"])
+@pytest.mark.parametrize("res", ["none", "f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
@@ -184,7 +186,7 @@ def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
 
 
 @pytest.mark.parametrize("group", codec.GROUP_SIZES)
-@pytest.mark.parametrize("res", ["f32", "input"])
+@pytest.mark.parametrize("res", ["f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
@@ -207,7 +209,7 @@ def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
                      make_residual(rng, dtype, "f32"), "float32", case + " ref=f32", base=(base, off))
 
 
-@pytest.mark.parametrize("res", ["f32", "input"])
+@pytest.mark.parametrize("res", ["f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_residual_feedback_over_calls(ck, dt, res, cd):

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -223,17 +223,20 @@ def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
 
 
 @SETTINGS
-@given(case, st.integers(2, 4), st.sampled_from(["float32", "input"]), st.integers(1, 3))
+@given(case, st.integers(2, 4), st.sampled_from(["float32", "input", "int8"]), st.integers(1, 3))
 def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
     P, n, G, algo, dt, cd = c["P"], c["n"], c["group"], c["algo"], c["dtype"], c["codec"]
+    assume(residual_dtype != "int8" or rounds == 1)    # int8's bound needs every stored residual seen
     layout = Layout(n, P, G, codec=cd)
     key = (n, P, G, dt)
     fbs = [Feedback(residual_dtype) for _ in range(P)]
     states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros, cd) for fb in fbs]
-    acc_out, acc_exact, xmax = np.zeros(n), np.zeros(n), 0.0
+    acc_out, acc_exact, xmax, rmax = np.zeros(n), np.zeros(n), 0.0, 0.0
     for t in range(T):
         xs = make_inputs(c, t)
         outs = simulate(algo, xs, G, states, rounds, cd)
+        rmax = max([rmax] + [float(np.abs(codec.load_residuals(r)).max()) for s in states
+                             for r in (s.inputs, s.output)])
         assert all(o.tobytes() == outs[0].tobytes() for o in outs), "outputs differ between ranks"
         acc_out += outs[0].astype(np.float64)
         acc_exact += np.sum([x.astype(np.float64) for x in xs], axis=0)
@@ -241,12 +244,14 @@ def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
     e_in = np.sum([codec.residual_values(s.inputs, cd) for s in states], axis=0)
     e_out = np.concatenate([codec.residual_values(s.output, cd) for s in states])
     residual = (e_in + e_out)[:n]
-    assert all(np.isfinite(s.inputs.astype(np.float32)).all() and np.isfinite(s.output.astype(np.float32)).all()
+    assert all(np.isfinite(codec.load_residuals(s.inputs)).all() and np.isfinite(codec.load_residuals(s.output)).all()
                for s in states)
     gap = float(np.max(np.abs(acc_out - acc_exact + residual)))
     tol = 2.0 ** -18 * T * (P + 1) * xmax + 8 * T * P * SUB
     if residual_dtype == "input" and dt != "float32":
         tol += 2.0 ** -6 * T * (P + 1) * xmax * P
+    if residual_dtype == "int8":        # each stored residual is kept to 1/128 of its block's largest
+        tol += 2.0 ** -7 * T * (P + 1) * rmax
     assert gap <= tol, f"telescoping gap {gap:.3g} > {tol:.3g}"
 
 

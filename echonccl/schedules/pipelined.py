@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from ..codec import SLICE_QUANTUM
+from ..codec import SLICE_QUANTUM, residual_span
 from ..layout import Layout
 from .two_shot import _part, _quantize, two_shot
 
@@ -67,7 +67,7 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
         v = r * K + j
         lo, hi = V.bounds(v)
         incoming = ws.peers_in[j * (P - 1) * Bc:(j + 1) * (P - 1) * Bc]
-        e_out = None if state is None else state.output[j * C:(j + 1) * C]
+        e_out = None if state is None else residual_span(state.output, j * C, (j + 1) * C)
         k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,
                           wire_out=ws.gather[V.wire_slot(v)], ref_dtype=out.dtype,
                           base=out[lo:hi] if accumulate else None)

@@ -1,6 +1,8 @@
 """Two-shot all-reduce: reduce-scatter to slice owners, then all-gather of the owners' codes."""
 from __future__ import annotations
 
+from ..codec import residual_span
+
 
 def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """Each rank quantizes its contribution to every peer's slice and sends it to
@@ -42,4 +44,4 @@ def _part(state, s, layout):
     if state is None:
         return None
     n = layout.slice_elems
-    return state.inputs[s * n:(s + 1) * n]
+    return residual_span(state.inputs, s * n, (s + 1) * n)

@@ -223,7 +223,7 @@ def check_matches_reference():
     cpu = echonccl.Communicator(engine="cpu")
     for algo in ALGOS:
         for dt in ("bfloat16", "float16", "float32"):
-            for rdt in ("float32", "input"):
+            for rdt in ("float32", "input", "int8"):
                 for n in (1, 1000, 5000, 100_003, (1 << 20) + 3):
                     fg, fc = gpu.new_feedback(rdt), cpu.new_feedback(rdt)
                     for t in range(3):
@@ -336,7 +336,7 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
         del os.environ["ECHONCCL_FUSED"]
     assert plain.engine.fused is None
     for dt in dts:
-        for rdt in ("float32", "input"):
+        for rdt in ("float32", "input", "int8"):
             for n in sizes:
                 fa, fb = fused.new_feedback(rdt), plain.new_feedback(rdt)
                 for t in range(3):
@@ -392,7 +392,7 @@ def check_fused_reference():
     for codec_name in CODECS:
         ref = echonccl.Communicator(engine="cpu", codec=codec_name)
         for dt in ("bfloat16", "float16", "float32"):
-            for rdt in ("float32", "input"):
+            for rdt in ("float32", "input", "int8"):
                 for n in (513, 3 * 8192 + 17, 100_003):
                     L = Layout(n, P, ref.config.group_size, codec=codec_name)
                     fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
