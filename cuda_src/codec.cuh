@@ -486,6 +486,16 @@ __device__ __forceinline__ void rot_inverse8(float (&v)[8], int lb) {
     for (int j = 0; j < 8; ++j) v[j] = bitsf(fbits(v[j]) ^ (((sb >> j) & 1u) << 31));
 }
 
+// Element i of 8 loaded elements, as its type (bits unchanged).
+template <typename T>
+__device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
+    const uint4& q = r.w[(i * Traits<T>::kBytes) / 16];
+    const int k = ((i * Traits<T>::kBytes) % 16) / 4;
+    const u32 word = k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
+    if constexpr (Traits<T>::kBytes == 4) return bitsf(word);
+    else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
+}
+
 // Incoming slices are consumed in batches of this many, so their loads are in flight together.
 #ifndef ECHO_IN_BATCH
 #define ECHO_IN_BATCH 4
@@ -525,7 +535,8 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
 // scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
 // kernel's peers), as they are made.
-template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false>
+template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false,
+          bool kOut = false>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
@@ -533,7 +544,8 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                                                      const RefT* __restrict__ base, i64 base_n,
                                                      i64 t_first, i64 t_end, i64 stride,
                                                      unsigned char* const* copies = nullptr, int ncopies = 0,
-                                                     i64 copy_off = 0) {
+                                                     i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
+                                                     i64 out_n = 0) {
     static_assert(G == 32 || G == 64 || G == 128, "group size");
     constexpr int kLanes = G / 8;  // lanes per group
     const i64 nthreads = t_end;
@@ -659,46 +671,67 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
             if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(dst + codes_bytes)[grp] = scale;
         }
 
-        if (residual != nullptr) {
-            // residual = v - ref, ref = fl(q * scale) rounded through RefT; with a base,
-            // ref = round_RefT(base + fl(q * scale)) - base instead; non-finite -> 0.
+        if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
+            // The decoded values fl(q * scale), in the values' domain where the output or the
+            // owner's ref needs them (int4-h32; warp-uniform conditions: rotations need every lane).
+            const int lb = (int)(t & (kRotLanes - 1));
+            constexpr bool kRound = Traits<RefT>::kBytes == 2;
+            const bool ref_in_values = kRot && (kRound || base != nullptr);
             float e[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
-            constexpr bool kRound = Traits<RefT>::kBytes == 2;
-            // int4-h32: what the output holds is in the values' domain (warp-uniform condition).
-            if (kRot && (kRound || base != nullptr)) rot_inverse8(e, (int)(t & (kRotLanes - 1)));
+            if (ref_in_values) rot_inverse8(e, lb);
+            Raw8<RefT> braw;
+            float b[8];
             if (base != nullptr) {
-                const Raw8<RefT> braw = load_raw8<RefT, true>(base, e0, base_n, aligned16(base));
-                float b[8];
+                braw = load_raw8<RefT, true>(base, e0, base_n, aligned16(base));
                 unpack8<RefT>(braw.w, b);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) e[i] = add_rn(b[i], e[i]);
-                round_through8<RefT>(e);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) e[i] = sub_rn(e[i], b[i]);
-            } else {
-                round_through8<RefT>(e);
             }
-            if (kRot && (kRound || base != nullptr)) rot_forward8(e, (int)(t & (kRotLanes - 1)));
+            if (kOut && out_p != nullptr) {
+                // The owner's own slice of the output, as dequantize_body would decode it from the
+                // codes just made (kAcc when there is a base: the base is that output).
+                float o[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float d = sub_rn(acc[i], e[i]);
-                e[i] = (finite && is_finite(d)) ? d : 0.0f;
+                for (int i = 0; i < 8; ++i) o[i] = e[i];
+                if (kRot && !ref_in_values) rot_inverse8(o, lb);
+                const bool vec = aligned16(out_p);
+                if (!finite) {
+                    RefT nan[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(fbits(scale));
+                    store8<RefT>(out_p, e0, out_n, vec, nan);
+                } else if (base != nullptr) {
+                    RefT w[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        w[i] = abs_bits(b[i]) > 0x7f800000u ? raw_elem<RefT>(braw, i) : Traits<RefT>::from_f32(add_rn(b[i], o[i]));
+                    store8<RefT>(out_p, e0, out_n, vec, w);
+                } else {
+                    store8f<RefT>(out_p, e0, out_n, vec, o);
+                }
             }
-            res_store<ResT>(residual, t, S, res_vec, e);
+            if (residual != nullptr) {
+                // residual = v - ref, ref = fl(q * scale) rounded through RefT; with a base,
+                // ref = round_RefT(base + fl(q * scale)) - base instead; non-finite -> 0.
+                if (base != nullptr) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) e[i] = add_rn(b[i], e[i]);
+                    round_through8<RefT>(e);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) e[i] = sub_rn(e[i], b[i]);
+                } else {
+                    round_through8<RefT>(e);
+                }
+                if (ref_in_values) rot_forward8(e, lb);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float d = sub_rn(acc[i], e[i]);
+                    e[i] = (finite && is_finite(d)) ? d : 0.0f;
+                }
+                res_store<ResT>(residual, t, S, res_vec, e);
+            }
         }
     }
-}
-
-// Element i of 8 loaded elements, as its type (bits unchanged).
-template <typename T>
-__device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
-    const uint4& q = r.w[(i * Traits<T>::kBytes) / 16];
-    const int k = ((i * Traits<T>::kBytes) % 16) / 4;
-    const u32 word = k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
-    if constexpr (Traits<T>::kBytes == 4) return bitsf(word);
-    else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
 }
 
 // dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).

@@ -21,7 +21,8 @@
 //   2. one per tile j of the own slice: wait for the P - 1 contributions, sum in rank order
 //      with the own input taken exactly, add the output residual, quantize into the gather
 //      slot of every rank (own included), flag it on every rank;
-//   3. P per tile j: wait for tile j of owner s's codes, decode into `out` (or add).
+//   3. P per tile j: wait for tile j of owner s's codes, decode into `out` (or add); the
+//      owner's own slice is written in 2 instead (ECHO_FUSED_OWNER_OUT, the default).
 // Every item waits only for items taken before it (in the same order on every rank) by
 // blocks that are running: no deadlock, whatever the grid size or residency.
 // The last block to finish resets the ticket and advances the epoch (stored on the device,
@@ -73,6 +74,11 @@ __device__ __forceinline__ u64 global_ns() {
 #endif
 #ifndef ECHO_FUSED_FENCE
 #define ECHO_FUSED_FENCE 0
+#endif
+// The owner writes its own slice of the output as it makes the codes (phase 2), instead of
+// decoding them back from its gather slot in phase 3 (0: decode every slice in phase 3).
+#ifndef ECHO_FUSED_OWNER_OUT
+#define ECHO_FUSED_OWNER_OUT 1
 #endif
 __device__ __forceinline__ void release_fence() {
     if (ECHO_FUSED_FENCE) __threadfence_system();
@@ -155,10 +161,10 @@ template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
-                                          int ncopies, i64 copy_off) {
-    reduce_quantize_body<T, ResT, T, G, kRot, true>(incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n,
-                                              j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk, copies, ncopies,
-                                              copy_off);
+                                          int ncopies, i64 copy_off, T* out, i64 out_n) {
+    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0>(
+        incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
+        ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
 }
 template <typename T, int G, bool kRot>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
@@ -229,7 +235,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 bhi = blo + S < count ? blo + S : count;
             phase_reduce<T, ResT, G, kRot>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
                                      S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
-                                     P - 1, rank * slice_bytes);
+                                     P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
+                                     bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 release_fence();
@@ -242,7 +249,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 i3 = item - n1 - T_;
             const i64 j = i3 / P;
             const int s = (rank + (int)(i3 % P)) % P;
-            if (s * S >= count) continue;
+            if (s * S >= count || (ECHO_FUSED_OWNER_OUT && s == rank)) continue;
             if ((ECHO_FUSED_PHASES & 2) && threadIdx.x == 0 &&
                 !wait_flag(my_flags + (P - 1 + s) * max_tiles + j, epoch, ctl, s_deadline))
                 s_ok = 0;

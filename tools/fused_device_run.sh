@@ -2,7 +2,7 @@
 # One device session for the fused peer-memory path (issue 12) on a 2-GPU host: correctness
 # (fused vs the NCCL path, GPU vs CPU reference, graph replay, rounds), then echonccl-perf
 # over NVLink for kernel variants, then the full sweep eager and -G. Logs under $OUT.
-#   OUT=dir bash tools/fused_device_run.sh [check|variants|sweep|all]
+#   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]   steps: check host variants sweep
 # Prebuilt fatbins (fb/*.fatbin, built with nvcc here) skip NVRTC; see BENCHMARKS.md "Fused path".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,12 +12,13 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tools${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ECHONCCL_TIMEOUT=${ECHONCCL_TIMEOUT:-30}
 [[ -f fb/echo.fatbin ]] && export ECHONCCL_FATBIN=$PWD/fb/echo.fatbin
-[[ -f fb/fusedA.fatbin ]] && export ECHONCCL_FUSED_FATBIN=${ECHONCCL_FUSED_FATBIN:-$PWD/fb/fusedA.fatbin}
+[[ -f fb/fused.fatbin ]] && export ECHONCCL_FUSED_FATBIN=${ECHONCCL_FUSED_FATBIN:-$PWD/fb/fused.fatbin}
 PY=${PY:-python3}
 MPI="mpirun --allow-run-as-root --bind-to none -np 2"
 for v in PYTHONPATH NCCL_NVLS_ENABLE PYTHONUNBUFFERED ECHONCCL_TIMEOUT ECHONCCL_FATBIN ECHONCCL_FUSED_FATBIN \
          ECHONCCL_FUSED_BLOCKS_PER_SM NCCL_P2P_DISABLE NCCL_SHM_DISABLE; do MPI+=" -x $v"; done
 status=0
+want() { [[ $what == all || ,$what, == *,$1,* ]]; }
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   local t0=$SECONDS
@@ -26,14 +27,15 @@ step() {  # step NAME TIMEOUT CMD...
   echo "step $name rc=$rc $((SECONDS - t0))s"
   [[ $rc == 0 ]] || { status=1; tail -25 "$OUT/$name.log"; }
 }
-if [[ $what == check || $what == all ]]; then
+if want check; then
   nvidia-smi topo -m | head -4
-  step spike 120 $PY tools/nccl_device_api_spike.py; grep spike "$OUT/spike.log"
-  for c in fused matches_reference rounds graph_replay; do
+  step kernels 300 $PY -m pytest -q -x tests/test_gpu_kernels.py; tail -1 "$OUT/kernels.log"
+  for c in fused fused_reference matches_reference rounds graph_replay; do
     step "check_$c" 300 $MPI $PY tests/mpi/checks.py $c gpu
   done
+  step hardening_replay 300 $MPI $PY tests/mpi/hardening.py replay gpu
 fi
-if [[ $what == variants || $what == all ]]; then
+if want variants; then
   # VARIANTS="fatbin:blocks_per_sm:tiles:residual ..." (tiles 0: the default)
   for v in ${VARIANTS:-A:4:0:input}; do
     IFS=: read -r fbn bps tiles res <<<"$v"
@@ -44,11 +46,11 @@ if [[ $what == variants || $what == all ]]; then
     grep -E "^ +[0-9]" "$OUT/$name.log" | awk -v v="$v" '{printf "%-24s %11s NCCL %8s fused %8s x%s\n", v, $1, $4, $10, $13}'
   done
 fi
-if [[ $what == host || $what == all ]]; then
+if want host; then
   step host_profile 120 $MPI $PY tools/host_profile.py
   grep -E "host time|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" "$OUT/host_profile.log" | head -30
 fi
-if [[ $what == sweep || $what == all ]]; then
+if want sweep; then
   step sweep_eager 400 $MPI $PY -m echonccl.perf.all_reduce -b 8 -e 1G -f 4 -n 20 -w 5 --algo two_shot,one_shot,auto \
       --quiet -J "$OUT/nvlink_eager.json"
   step sweep_graph 400 $MPI $PY -m echonccl.perf.all_reduce -b 8 -e 1G -f 4 -n 20 -w 5 -G 5 -c 0 \
