@@ -96,11 +96,11 @@ class _Prepared:
     `Feedback` still holds the same residuals, and ``valid()`` (the engine's, e.g. the peer
     region still current) holds."""
 
-    __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "schedule_path")
+    __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled")
 
-    def __init__(self, sig, run, valid=None, entries=(), feedback=None, schedule_path=False):
+    def __init__(self, sig, run, valid=None, entries=(), feedback=None):
         self.sig, self.run, self.valid, self.entries = sig, run, valid, entries
-        self.feedback, self.schedule_path = feedback, schedule_path
+        self.feedback = feedback
         self.residuals = None if feedback is None else feedback.residuals
         self.enabled = None if feedback is None else feedback.enabled
 
@@ -272,10 +272,11 @@ class Communicator:
         else:
             valid, schedule, wsv = None, SCHEDULES[algo], ws.obj.workspace(layout)
 
-            def run(_stream, x, out):
+            def direct(_stream, x, out):
                 run_rounds(schedule, eng.kernels, eng.transport, layout, eng.flat(x), eng.flat(out), state, wsv,
                            rounds)
-        return _Prepared(sig, run, valid, entries, fb, schedule_path=fused is None)
+            run = eng.prepare_schedule(direct)
+        return _Prepared(sig, run, valid, entries, fb)
 
     def _replay(self, prep: "_Prepared", stream, x, out) -> None:
         """Run a prepared call again: the checks and cache bookkeeping a full call of the same
@@ -293,11 +294,7 @@ class Communicator:
                     self._use(e, capturing, stream)
                 if self._cache.nbytes > self._cache.limit:
                     self._make_room(0, prep.entries, capturing)
-            if prep.schedule_path:           # schedules enqueue on the current stream
-                with eng.call_scope(stream):
-                    prep.run(stream, x, out)
-            else:
-                prep.run(stream, x, out)
+            prep.run(stream, x, out)
         except BaseException as exc:
             self._fail(exc)
             raise

@@ -92,6 +92,10 @@ class CpuEngine:
         """The baseline as ``(run(stream, x, out), None)``: the arrays come with each call."""
         return (lambda _stream, x, out: self.baseline_all_reduce(x.reshape(-1), out.reshape(-1))), None
 
+    def prepare_schedule(self, run):
+        """A schedule's prepared ``run`` as it is (nothing to capture on the CPU)."""
+        return run
+
     def prepare_one_shot(self, x, out):
         """The 16-bit one-shot's CPU stand-in: the baseline (a float32 sum rounded once)."""
         return self.prepare_baseline(x, out)

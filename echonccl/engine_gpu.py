@@ -54,6 +54,51 @@ def _as_cupy_stream(stream):
 FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 16 << 20))
 
 
+# Replay the NCCL path's schedules as CUDA graphs (`GpuEngine.prepare_schedule`).
+GRAPH_SCHEDULES = os.environ.get("ECHONCCL_GRAPH_SCHEDULES", "1") not in ("0", "false", "no")
+
+
+class _GraphedRun:
+    """See `GpuEngine.prepare_schedule`."""
+
+    __slots__ = ("run", "calls", "graph")
+
+    def __init__(self, run, graph: bool = True):
+        self.run, self.calls, self.graph = run, 0 if graph else 3, None
+
+    def __call__(self, stream, x, out) -> None:
+        if self.graph is not None and not _capturing(stream):
+            self.graph.launch(stream)
+            return
+        self.calls += 1
+        if self.calls != 2 or _capturing(stream):
+            with stream:                            # the schedule enqueues on the current stream
+                self.run(stream, x, out)
+            return
+        side = cupy.cuda.Stream(non_blocking=True)  # capture only records: nothing runs on it
+        try:
+            with side:
+                side.begin_capture()
+                try:
+                    self.run(side, x, out)
+                finally:
+                    graph = side.end_capture()
+        except Exception:  # noqa: BLE001 - not capturable here: stay direct
+            self.calls = 3
+            with stream:
+                self.run(stream, x, out)
+            return
+        self.graph = graph
+        graph.launch(stream)
+
+
+def _capturing(stream) -> bool:
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001
+        return True
+
+
 class _CallScope:
     """This engine's device, then ``stream`` (if any), current for the duration of one call;
     both restored afterwards."""
@@ -308,6 +353,15 @@ class GpuEngine:
         if self.fused is not None and algo == "two_shot" and self.fused.two_shot_fits(layout):
             return self.fused.prepare_two_shot
         return None
+
+    def prepare_schedule(self, run):
+        """A schedule's ``run(stream, x, out)`` (kernels and NCCL calls on the current stream) as a
+        prepared call: the first call runs it; the second captures it into a CUDA graph on a side
+        stream, and every later call replays that graph on the call's stream: one host call
+        instead of the schedule's Python, launches and NCCL calls (its pointers are fixed: the
+        call's buffers, workspace and residuals). Calls on a capturing stream run it directly
+        (their graph holds the work), as does everything after a capture that fails."""
+        return _GraphedRun(run, graph=GRAPH_SCHEDULES)
 
     def small_algorithm(self) -> str:
         """What ``auto`` runs below the crossover: the 16-bit peer-memory one-shot, else NCCL."""

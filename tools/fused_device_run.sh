@@ -2,7 +2,7 @@
 # One device session for the fused peer-memory path (issue 12) on a 2-GPU host: correctness
 # (fused vs the NCCL path, GPU vs CPU reference, graph replay, rounds), then echonccl-perf
 # over NVLink for kernel variants, then the full sweep eager and -G. Logs under $OUT.
-#   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]   steps: check host variants sweep
+#   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]   steps: check host variants ncclpath sweep
 # Prebuilt fatbins (fb/*.fatbin, built with nvcc here) skip NVRTC; see BENCHMARKS.md "Fused path".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ECHONCCL_TIMEOU
 PY=${PY:-python3}
 MPI="mpirun --allow-run-as-root --bind-to none -np 2"
 for v in PYTHONPATH NCCL_NVLS_ENABLE PYTHONUNBUFFERED ECHONCCL_TIMEOUT ECHONCCL_FATBIN ECHONCCL_FUSED_FATBIN \
-         ECHONCCL_FUSED_BLOCKS_PER_SM NCCL_P2P_DISABLE NCCL_SHM_DISABLE; do MPI+=" -x $v"; done
+         ECHONCCL_FUSED_BLOCKS_PER_SM; do MPI+=" -x $v"; done
 status=0
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
 step() {  # step NAME TIMEOUT CMD...
@@ -49,6 +49,19 @@ fi
 if want host; then
   step host_profile 120 $MPI $PY tools/host_profile.py
   grep -E "host time|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" "$OUT/host_profile.log" | head -30
+fi
+if want ncclpath; then
+  # the NCCL send/recv path (ECHONCCL_FUSED=0): replays bitwise (graphs), host time, then
+  # NCCL_P2P_DISABLE=1 (host memory), where only that path runs
+  ECHONCCL_FUSED=0 step replay_nccl 300 $MPI -x ECHONCCL_FUSED $PY tests/mpi/hardening.py replay gpu
+  ECHONCCL_FUSED=0 step host_nccl 120 $MPI -x ECHONCCL_FUSED $PY tools/host_profile.py --profile two_shot
+  grep "host time" "$OUT/host_nccl.log"
+  ECHONCCL_FUSED=0 ECHONCCL_GRAPH_SCHEDULES=0 step host_nccl_nograph 120 $MPI -x ECHONCCL_FUSED \
+      -x ECHONCCL_GRAPH_SCHEDULES $PY tools/host_profile.py --profile two_shot
+  grep "host time" "$OUT/host_nccl_nograph.log"
+  NCCL_P2P_DISABLE=1 step p2p_eager 400 $MPI -x NCCL_P2P_DISABLE $PY -m echonccl.perf.all_reduce -b 8 -e ${P2P_E:-256M} -f 4 -n 20 -w 5 \
+      --algo two_shot,auto --quiet -J "$OUT/p2p_eager.json"
+  grep -E "^ +[0-9]" "$OUT/p2p_eager.log" | awk '{printf "%11s NCCL %9s two_shot %9s x%-5s auto %9s x%s\n", $1, $4, $10, $13, $18, $21}'
 fi
 if want sweep; then
   step sweep_eager 400 $MPI $PY -m echonccl.perf.all_reduce -b 8 -e 1G -f 4 -n 20 -w 5 --algo two_shot,one_shot,auto \
