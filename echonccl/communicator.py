@@ -7,11 +7,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from . import codec as wire
 from . import config as _config
 from . import dtypes
 from .cache import BufferCache
 from .errors import CommunicatorFailedError, EchoncclError, MismatchError
-from .feedback import Feedback
+from .feedback import DEFAULT_RESIDUAL, Feedback
 from .layout import Layout
 from .schedules import SCHEDULES, run_rounds
 
@@ -317,7 +318,7 @@ class Communicator:
         self.engine.reap()
 
     # -- feedback --------------------------------------------------------------------------------
-    def new_feedback(self, residual_dtype: str = "float32") -> Feedback:
+    def new_feedback(self, residual_dtype: str = DEFAULT_RESIDUAL) -> Feedback:
         """A fresh, unbound `Feedback`; bound (and allocated) by its first call."""
         return Feedback(residual_dtype)
 
@@ -483,8 +484,10 @@ class Communicator:
         if feedback is not None:
             return feedback.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros, self.config.codec)
         fb = entry.obj
-        if fb.enabled and fb.residuals is None:        # about to allocate float32 residuals
-            self._make_room(4 * (layout.padded + layout.slice_elems), (ws_entry, entry), capturing)
+        if fb.enabled and fb.residuals is None:        # about to allocate its residuals
+            dt = wire.residual_dtype(fb.residual_dtype, dtypes.numpy_dtype(name))
+            nbytes = dt.itemsize * (wire.residual_size(layout.padded, dt) + wire.residual_size(layout.slice_elems, dt))
+            self._make_room(nbytes, (ws_entry, entry), capturing)
         state = fb.bind(key, layout, dtypes.numpy_dtype(name), self.engine.zeros, self.config.codec)
         self._cache.resize(entry, _feedback_bytes(fb))
         self._use(entry, capturing)

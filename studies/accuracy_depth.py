@@ -62,8 +62,8 @@ def parse_args(argv=None):
                    help="dtype of the terms handed to echonccl")
     p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
                    help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
-    p.add_argument("--residual-dtype", choices=["float32", "input"], default="float32",
-                   help="dtype of the feedback residuals (input: --dtype)")
+    p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
+                   help="format of the feedback residuals (default input: --dtype, the library's default)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--shared", type=float, default=1.0, help="scale of the per-rank shared component")

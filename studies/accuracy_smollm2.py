@@ -74,8 +74,9 @@ def parse_args(argv=None):
                         "the gensim distribution and cached; studies/corpus.py)")
     p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
                    help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
-    p.add_argument("--residual-dtype", choices=["float32", "input"], default="float32",
-                   help="dtype of the feedback residuals (input: the --dtype handed to echonccl)")
+    p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
+                   help="format of the feedback residuals (default input: the --dtype handed to echonccl, "
+                   "the library's default)")
     p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, G=32")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the residual stream's error after each all-reduce")

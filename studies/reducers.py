@@ -62,7 +62,7 @@ class Echo:
     """
 
     def __init__(self, comm, algorithm: str = "two_shot", feedback: bool = True, dtype: str = "bfloat16",
-                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0, residual_dtype: str = "float32"):
+                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0, residual_dtype: str = "input"):
         self.comm, self.algorithm, self.rounds = comm, algorithm, rounds
         self.flush, self.calls_per_pass, self.calls = flush, calls_per_pass, 0
         self.dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)

@@ -166,7 +166,7 @@ def test_rounds_option(no_env_overrides, capsys):
                           "--rounds", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "feedback on (float32 residuals), rounds 2, algorithms two_shot ring" in out
+    assert "feedback on (input residuals), rounds 2, algorithms two_shot ring" in out
     assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "--rounds", "2",
                             "--no-feedback"]) == options.EXIT_USAGE
     assert "--rounds 2 sends the feedback residuals" in capsys.readouterr().err

@@ -144,8 +144,9 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--algo", type=_algo_arg, default="both",
                    help=f"echonccl algorithm(s) to time, comma-separated from {', '.join(ALGORITHM_CHOICES)} "
                    "(default both: two_shot,ring)")
-    e.add_argument("--residual", choices=("float32", "input", "int8"), default="float32",
-                   help="feedback residual format (default float32; input: the data's dtype; int8: 8-bit blocks)")
+    e.add_argument("--residual", choices=("float32", "input", "int8"), default="input",
+                   help="feedback residual format (default input: the data's dtype, echonccl's default; "
+                   "float32; int8: 8-bit blocks)")
     e.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="elements per 4-bit scale (default: the communicator's)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
