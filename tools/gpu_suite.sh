@@ -5,7 +5,7 @@
 # Needs cupy, mpi4py, NCCL and an MPI launcher already installed, nothing else: echonccl comes from
 # this checkout (PYTHONPATH). ECHONCCL_INSTALLED=1 runs against the installed (pip install .,
 # non-editable) copy instead, from outside the checkout, and stops if there is none.
-# PERF_ARGS overrides the perf sweep (e.g. add --rounds 2). Every multi-rank run goes through tools/launch.py, which sets
+# PERF_ARGS overrides the perf sweep (e.g. add --rounds 2); REGIMES and SOCK_ARGS narrow it. Every multi-rank run goes through tools/launch.py, which sets
 # NCCL_NVLS_ENABLE=0 and forwards it and PYTHONPATH (Open MPI: -x); $MPIEXEC picks the launcher.
 set -uo pipefail
 usage="usage: gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]"
@@ -53,18 +53,21 @@ if [[ $what == soak || $what == all ]]; then
   $LAUNCH tools/soak.py --engine gpu --calls 3000 --distinct-sizes 0 --max-bytes 64M --seconds 150 || status=1
 fi
 if [[ $what == perf || $what == all ]]; then
-  for regime in nvlink p2p sock; do
+  # REGIMES picks regimes and modes (default: all three, eager and -G); SOCK_ARGS overrides
+  # PERF_ARGS over sockets (slow at large sizes)
+  for regime in ${REGIMES:-nvlink nvlink_graph p2p p2p_graph sock sock_graph}; do
     case $regime in
-      nvlink) env=() ;;
-      p2p) env=(NCCL_P2P_DISABLE=1) ;;
-      sock) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
+      nvlink*) env=() ;;
+      p2p*) env=(NCCL_P2P_DISABLE=1) ;;
+      sock*) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
     esac
-    for graph in "" "-G 5 -c 0"; do
-      tag=$regime${graph:+_graph}
-      echo "### regime $tag: ${env[*]} $LAUNCH -m echonccl.perf.all_reduce $PERF_ARGS $graph"
-      env "${env[@]}" $LAUNCH -m echonccl.perf.all_reduce $PERF_ARGS $graph \
-          -J "$out/$tag.json" --plot "$out/$tag.png" || status=1
-    done
+    args=$PERF_ARGS
+    [[ $regime == sock* && -n ${SOCK_ARGS:-} ]] && args=$SOCK_ARGS
+    graph=""
+    [[ $regime == *_graph ]] && graph="-G 5 -c 0"
+    echo "### regime $regime: ${env[*]} $LAUNCH -m echonccl.perf.all_reduce $args $graph"
+    env "${env[@]}" $LAUNCH -m echonccl.perf.all_reduce $args $graph \
+        -J "$out/$regime.json" --plot "$out/$regime.png" || status=1
   done
 fi
 if [[ $what == accuracy || $what == all ]]; then
