@@ -1,0 +1,111 @@
+"""Tables (ACCURACY.md, "Residual format") from the per-sequence .npz files of persq.py and the
+depth JSONs, read from studies/results/ (where the commands in ACCURACY.md write them).
+
+    .venv/bin/python studies/paired/analyze.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+R = Path(__file__).resolve().parent.parent / "results"
+ROWS = (("1 round", "echonccl two_shot G=32"), ("flush", "echonccl two_shot G=32 + flush"))
+
+
+def load(tag):
+    p = R / f"{tag}.npz"
+    return np.load(p) if p.exists() else None
+
+
+def summary(d, row):
+    nll, top = d["nll__" + row], d["top__" + row]
+    ref_ppl = np.exp(d["nll_ref"].mean())
+    return np.exp(nll.mean()) / ref_ppl - 1, (top == d["top_ref"]).mean()
+
+
+def paired(a, b, row):
+    """b - a per sequence: mean log-ppl difference (~ relative ppl difference) and agreement
+    difference, each with its standard error over sequences; and the same on disjoint blocks of 8."""
+    dn = (b["nll__" + row] - a["nll__" + row]).mean(axis=1)
+    dg = ((b["top__" + row] == b["top_ref"]).astype(float) - (a["top__" + row] == a["top_ref"])).mean(axis=1)
+    n = len(dn)
+    se = lambda x: x.std(ddof=1) / np.sqrt(len(x))  # noqa: E731
+    blocks = [float(np.exp(dn[i:i + 8].mean()) - 1) for i in range(0, n - n % 8, 8)]
+    return dict(n=n, dlog=dn.mean(), dlog_se=se(dn), dagree=dg.mean(), dagree_se=se(dg), blocks8=blocks,
+                dn=dn, dg=dg)
+
+
+def pct(x):
+    return f"{100 * x:+.2f}%"
+
+
+def main():
+    cells = [("lee", 2), ("wiki", 2), ("lee", 4)]
+    out = []
+    out.append("| text | P | seqs | row | float32 residuals | bf16 residuals (input) | null: float32, --batch 8 |")
+    out.append("|---|---|---|---|---|---|---|")
+    diffs = []
+    for text, P in cells:
+        for n in (32, 16, 8):
+            base = f"sm_{text}_p{P}_n{n}"
+            f32, inp, nul = load(base + "_float32"), load(base + "_input"), load(base + "_float32_batch8")
+            if f32 is None and inp is None:
+                continue
+            for label, row in ROWS:
+                cols = []
+                for d in (f32, inp, nul):
+                    if d is None:
+                        cols.append("")
+                    else:
+                        p, g = summary(d, row)
+                        cols.append(f"{pct(p)} / {100 * g:.2f}%")
+                out.append(f"| {text} | {P} | {n} | {label} | " + " | ".join(cols) + " |")
+                for what, b in (("bf16 - float32", inp), ("null (--batch 8) - float32", nul)):
+                    if f32 is not None and b is not None:
+                        diffs.append((text, P, n, label, what, paired(f32, b, row)))
+    out.append("")
+    out.append("Paired per-sequence differences (b - a over the same sequences): perplexity ratio "
+               "exp(mean dNLL) - 1 and agreement difference, each +- 1.96 standard errors over sequences; "
+               "then the perplexity difference on each disjoint block of 8 sequences.")
+    out.append("")
+    out.append("| text | P | seqs | row | comparison | d perplexity (+-95%) | d agreement (+-95%) | d ppl per block of 8 |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for text, P, n, label, what, s in diffs:
+        out.append(f"| {text} | {P} | {s['n']} | {label} | {what} | {pct(np.exp(s['dlog']) - 1)} +- {100 * 1.96 * s['dlog_se']:.2f} | "
+                   f"{100 * s['dagree']:+.2f} +- {100 * 1.96 * s['dagree_se']:.2f} pt | "
+                   + ", ".join(pct(x) for x in s["blocks8"]) + " |")
+    out.append("")
+    out.append("Pooled over every cell above (each sequence of each cell one sample):")
+    out.append("")
+    out.append("| row | comparison | samples | d perplexity (+-95%) | d agreement (+-95%) |")
+    out.append("|---|---|---|---|---|")
+    for label, _ in ROWS:
+        for what in sorted({w for *_, w, _ in diffs}):
+            sel = [s for _, _, _, lab, w, s in diffs if lab == label and w == what]
+            if not sel:
+                continue
+            dn = np.concatenate([s["dn"] for s in sel])
+            dg = np.concatenate([s["dg"] for s in sel])
+            se = lambda x: x.std(ddof=1) / np.sqrt(len(x))  # noqa: E731
+            out.append(f"| {label} | {what} | {len(dn)} | {pct(np.exp(dn.mean()) - 1)} +- {100 * 1.96 * se(dn):.2f} | "
+                       f"{100 * dg.mean():+.2f} +- {100 * 1.96 * se(dg):.2f} pt |")
+    out.append("")
+    out.append("Depth study (bf16 terms, G = 32, L = 128): two_shot relative stream error")
+    out.append("")
+    out.append("| P | seed | residuals | err(1) | err(128) | err(128)/err(1) |")
+    out.append("|---|---|---|---|---|---|")
+    for P in (2, 4):
+        for seed in ("", "_s1", "_s2", "_s3", "_s4"):
+            for rd in ("float32", "input"):
+                p = R / f"depth_p{P}_{rd}{seed}.json"
+                if not p.exists():
+                    continue
+                e = json.load(open(p))["errors"]["two_shot G=32"]
+                out.append(f"| {P} | {seed[2:] or 0} | {rd} | {e[0]:.3e} | {e[-1]:.3e} | {e[-1] / e[0]:.3f} |")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
