@@ -251,8 +251,8 @@ class Communicator:
         eng, algo = self.engine, sig.algorithm
         if xf.size == 0 or (self.size == 1 and eng.same_memory(xf, of)):
             return _Prepared(sig, _nothing)
-        if self.size == 1:
-            return _Prepared(sig, lambda _s, x, out: eng.copy(eng.flat(out), eng.flat(x)))
+        if self.size == 1:      # a copy on the call's stream (GPU: replayed as a graph, like a schedule)
+            return _Prepared(sig, eng.prepare_schedule(lambda _s, x, out: eng.copy(eng.flat(out), eng.flat(x))))
         if algo == "nccl":
             return _Prepared(sig, *eng.prepare_baseline(xf, of))
         if algo == "one_shot":

@@ -23,6 +23,17 @@ def test_single_rank_gpu_returns_input(dtype):
             y = comm.all_reduce(x, algorithm=algo)
             assert y is not x and y.shape == x.shape and y.tobytes() == x.tobytes()
             assert comm.all_reduce(x, x, algorithm=algo) is x
+        # a given out, new data in the same buffers: full call, then the replays (a graph from
+        # the second on), on the current stream and on another one
+        out = cupy.empty_like(x)
+        side = cupy.cuda.Stream(non_blocking=True)
+        for step in range(5):
+            x[...] = step + 1
+            cupy.cuda.get_current_stream().synchronize()     # ordered before a call on `side`
+            stream = side if step % 2 else None
+            comm.all_reduce(x, out, algorithm="two_shot", stream=stream)
+            (side if stream else cupy.cuda.get_current_stream()).synchronize()
+            assert out.tobytes() == x.tobytes(), f"step {step}"
         comm.synchronize()
 
 
