@@ -109,10 +109,10 @@ mantissas ``m`` (element order) then 16 exponent bytes ``x``, one per block of
 
 and read back as ``fl(max(m_i, -127) * 2**(min(max(x, 7), 254) - 133))`` (exact
 and finite for any bytes: |m| < 2**7 and the power of two is a normal float32;
-bytes that were never written, all zero, read as zeros). Every element is kept to 1/256 of its block's largest
-magnitude (1/128 at worst): a residual is at most about half a quantization
-step, so what the format drops is some 1/300 of one call's quantization error,
-at a quarter of float32's bytes.
+bytes that were never written, all zero, read as zeros). Every element is kept
+to 1/256 of its block's largest magnitude (1/128 at worst): a residual is at
+most about half a quantization step, so what the format drops is some 1/300 of
+one call's quantization error, at a quarter of float32's bytes.
 """
 from __future__ import annotations
 

@@ -61,21 +61,31 @@ GRAPH_SCHEDULES = os.environ.get("ECHONCCL_GRAPH_SCHEDULES", "1") not in ("0", "
 class _GraphedRun:
     """See `GpuEngine.prepare_schedule`."""
 
-    __slots__ = ("run", "calls", "graph")
+    __slots__ = ("run", "capture", "seen", "graph")
 
-    def __init__(self, run, graph: bool = True):
-        self.run, self.calls, self.graph = run, 0 if graph else 3, None
+    def __init__(self, run, capture: bool = True):
+        self.run, self.capture, self.seen, self.graph = run, capture, False, None
 
     def __call__(self, stream, x, out) -> None:
-        if self.graph is not None and not _capturing(stream):
+        capturing = _capturing(stream)
+        if self.graph is not None and not capturing:
             self.graph.launch(stream)
-            return
-        self.calls += 1
-        if self.calls != 2 or _capturing(stream):
+        elif not self.capture or not self.seen or capturing:
+            self.seen = True
             with stream:                            # the schedule enqueues on the current stream
                 self.run(stream, x, out)
-            return
-        side = cupy.cuda.Stream(non_blocking=True)  # capture only records: nothing runs on it
+        else:
+            self.graph = self._captured(x, out)
+            if self.graph is None:                  # not capturable here: stay direct
+                self.capture = False
+                with stream:
+                    self.run(stream, x, out)
+            else:
+                self.graph.launch(stream)
+
+    def _captured(self, x, out):
+        """A CUDA graph of the schedule, recorded on a side stream (nothing runs there), or None."""
+        side = cupy.cuda.Stream(non_blocking=True)
         try:
             with side:
                 side.begin_capture()
@@ -83,16 +93,14 @@ class _GraphedRun:
                     self.run(side, x, out)
                 finally:
                     graph = side.end_capture()
-        except Exception:  # noqa: BLE001 - not capturable here: stay direct
-            self.calls = 3
-            with stream:
-                self.run(stream, x, out)
-            return
-        self.graph = graph
-        graph.launch(stream)
+        except Exception:  # noqa: BLE001
+            return None
+        return graph
 
 
 def _capturing(stream) -> bool:
+    """``stream`` is capturing a CUDA graph. When CUDA cannot tell (e.g. the legacy stream while
+    another one captures), say yes: pinning buffers and running directly are the safe side."""
     try:
         return bool(stream.is_capturing())
     except Exception:  # noqa: BLE001
@@ -255,11 +263,7 @@ class GpuEngine:
     def is_capturing(self) -> bool:
         """The current stream is capturing a CUDA graph (then the buffers a call uses are pinned,
         and nothing is evicted). When CUDA cannot tell, say yes: pinning is the safe side."""
-        stream = cupy.cuda.get_current_stream()
-        try:
-            return bool(stream.is_capturing())
-        except Exception:  # noqa: BLE001 - e.g. the legacy stream while another one captures
-            return True
+        return _capturing(cupy.cuda.get_current_stream())
 
     def use_token(self):
         """The stream a buffer is used on now (what its release must wait for)."""
@@ -327,11 +331,8 @@ class GpuEngine:
         return stream if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)) else None
 
     def stream_capturing(self, stream) -> bool:
-        """``stream`` is capturing a CUDA graph (yes when CUDA cannot tell: pinning is the safe side)."""
-        try:
-            return bool(stream.is_capturing())
-        except Exception:  # noqa: BLE001
-            return True
+        """``stream`` is capturing a CUDA graph (`is_capturing` for a given stream)."""
+        return _capturing(stream)
 
     def prepare_baseline(self, x, out):
         """NCCL's all-reduce of these buffers as ``(run(stream, x, out), None)``."""
@@ -361,7 +362,7 @@ class GpuEngine:
         instead of the schedule's Python, launches and NCCL calls (its pointers are fixed: the
         call's buffers, workspace and residuals). Calls on a capturing stream run it directly
         (their graph holds the work), as does everything after a capture that fails."""
-        return _GraphedRun(run, graph=GRAPH_SCHEDULES)
+        return _GraphedRun(run, capture=GRAPH_SCHEDULES)
 
     def small_algorithm(self) -> str:
         """What ``auto`` runs below the crossover: the 16-bit peer-memory one-shot, else NCCL."""

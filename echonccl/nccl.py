@@ -344,12 +344,7 @@ class NcclComm:
                    stream_ptr: int) -> None:
         """Sum ``count`` elements of ``dtype_name`` ('float16', 'bfloat16', 'float32', ...) over
         all ranks; ``send_ptr == recv_ptr`` is in place."""
-        try:
-            dt = DTYPES[dtype_name]
-        except KeyError:
-            raise ValueError(f"NCCL has no dtype {dtype_name!r}; one of {sorted(DTYPES)}") from None
-        self.lib.check(self._allreduce(send_ptr, recv_ptr, count, dt, ncclSum, self._live(), stream_ptr),
-                       "ncclAllReduce", self._handle)
+        self.prepare_all_reduce(send_ptr, recv_ptr, count, dtype_name)(stream_ptr)
 
     def prepare_all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype_name: str):
         """`all_reduce` of these buffers as a ``run(stream_ptr)`` with its arguments converted
