@@ -18,7 +18,9 @@ rank; `engine_gpu`), ``ECHONCCL_NCCL_LIBRARY`` (a libnccl.so.2 path; `nccl`),
 (elements per chunk of two_shot_pipelined; `schedules.pipelined`), ``ECHONCCL_FUSED``
 (0: no fused peer-memory kernels, every schedule over NCCL; `fused`),
 ``ECHONCCL_FUSED_CROSSOVER_BYTES`` (auto with fused kernels: below it the 16-bit one-shot;
-`engine_gpu`), ``ECHONCCL_FUSED_BLOCKS_PER_SM`` (grid of the fused kernels; `fused`).
+`engine_gpu`), ``ECHONCCL_FUSED_BLOCKS_PER_SM`` (grid of the fused kernels; `fused`),
+``ECHONCCL_NCCL_ALLGATHER`` (0: the NCCL path's all-gathers as send/recv rounds;
+`transport_nccl`).
 """
 from __future__ import annotations
 

@@ -127,6 +127,7 @@ SIGNATURES = (
     ("ncclRecv", ncclResult_t, [c_void_p, c_size_t, c_int, c_int, ncclComm_t, cudaStream_t]),
     ("ncclAllReduce", ncclResult_t,
      [c_void_p, c_void_p, c_size_t, c_int, c_int, ncclComm_t, cudaStream_t]),
+    ("ncclAllGather", ncclResult_t, [c_void_p, c_void_p, c_size_t, c_int, ncclComm_t, cudaStream_t]),
     ("ncclCommCount", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
     ("ncclCommUserRank", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
 )
@@ -311,7 +312,7 @@ class NcclComm:
         self._aborted = False
         f = lib.fn
         self._send, self._recv = f("ncclSend"), f("ncclRecv")
-        self._allreduce = f("ncclAllReduce")
+        self._allreduce, self._allgather = f("ncclAllReduce"), f("ncclAllGather")
         self._gstart, self._gend = f("ncclGroupStart"), f("ncclGroupEnd")
         self.count = self._query("ncclCommCount")
         self.user_rank = self._query("ncclCommUserRank")
@@ -339,6 +340,13 @@ class NcclComm:
         code = self._recv(ptr, nbytes, ncclUint8, peer, self._handle or self._live(), stream_ptr)
         if code:
             self.lib.check(code, "ncclRecv", self._handle)
+
+    def all_gather(self, send_ptr: int, recv_ptr: int, nbytes: int, stream_ptr: int) -> None:
+        """Every rank's ``nbytes`` bytes at ``send_ptr``, rank r's at ``recv_ptr + r * nbytes``;
+        ``send_ptr == recv_ptr + rank * nbytes`` is in place."""
+        code = self._allgather(send_ptr, recv_ptr, nbytes, ncclUint8, self._handle or self._live(), stream_ptr)
+        if code:
+            self.lib.check(code, "ncclAllGather", self._handle)
 
     def all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype_name: str,
                    stream_ptr: int) -> None:

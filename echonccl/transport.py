@@ -17,6 +17,14 @@
     wait for it. The buffers belong to the round until then. ``exchange`` is
     ``wait(start(...))``.
 
+``all_gather(buf, n)``
+    ``buf`` is a contiguous uint8 buffer of ``size * n`` bytes whose part
+    ``[rank * n, (rank + 1) * n)`` this rank filled; afterwards (in the engine's
+    stream order) every part holds its rank's bytes. A collective: every rank
+    calls it with the same ``n`` in the same place of its rounds. The NCCL
+    transport runs ``ncclAllGather`` (NCCL's ring, all its channels); an engine
+    without one does `gather_transfers` as one round.
+
 ``rank`` and ``size`` identify this process in the group.
 """
 from __future__ import annotations
@@ -35,3 +43,13 @@ class Transport(Protocol):
     def start(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> Any: ...
 
     def wait(self, handle: Any) -> None: ...
+
+    def all_gather(self, buf: Any, n: int) -> None: ...
+
+
+def gather_transfers(rank: int, size: int, buf, n: int):
+    """`Transport.all_gather` of ``buf`` as one round of point-to-point transfers: this rank's
+    part to every peer, each peer's part from it; ``(sends, recvs)`` for `Transport.exchange`."""
+    own = buf[rank * n:(rank + 1) * n]
+    peers = [s for s in range(size) if s != rank]
+    return [(s, own) for s in peers], [(s, buf[s * n:(s + 1) * n]) for s in peers]

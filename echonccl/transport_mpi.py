@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from .errors import MismatchError, PeerTimeoutError
+from .transport import gather_transfers
 
 _TAG = 0x4543  # 'EC'
 
@@ -31,6 +32,11 @@ class MpiTransport:
     def exchange(self, sends, recvs) -> None:
         """One round, completed before it returns (see `start`, `wait`)."""
         self.wait(self.start(sends, recvs))
+
+    def all_gather(self, buf, n: int) -> None:
+        """`transport.Transport.all_gather` as one point-to-point round (so that it keeps the
+        round's timeout and its check of message sizes)."""
+        self.exchange(*gather_transfers(self.rank, self.size, buf, n))
 
     def start(self, sends, recvs):
         """Post one round of nonblocking sends and receives; returns the handle `wait` takes.

@@ -1,5 +1,10 @@
-"""The GPU engine's transport: one NCCL group of ncclRecv/ncclSend per round."""
+"""The GPU engine's transport: one NCCL group of ncclRecv/ncclSend per round, ncclAllGather
+for all-gathers (``ECHONCCL_NCCL_ALLGATHER=0``: a round of send/recv instead)."""
 from __future__ import annotations
+
+import os
+
+from .transport import gather_transfers
 
 
 class NcclTransport:
@@ -25,10 +30,20 @@ class NcclTransport:
         self._group_start, self._group_end = nccl_comm.group_start, nccl_comm.group_end
         self._side = None           # the communication stream and its event ring, made on first start()
         self._nevents = events
+        self._all_gather = (nccl_comm.all_gather if os.environ.get("ECHONCCL_NCCL_ALLGATHER", "1") != "0"
+                            else None)
 
     def exchange(self, sends, recvs) -> None:
         """One round on the current stream."""
         self._round(sends, recvs, self._stream_ptr_fn())
+
+    def all_gather(self, buf, n: int) -> None:
+        """`transport.Transport.all_gather` on the current stream, in place."""
+        if self._all_gather is None:
+            self.exchange(*gather_transfers(self.rank, self.size, buf, n))
+        else:
+            ptr = buf.data.ptr
+            self._all_gather(ptr + self.rank * n, ptr, n, self._stream_ptr_fn())
 
     def start(self, sends, recvs):
         """One round on the communication stream, after the current stream's queued work;

@@ -146,7 +146,7 @@ def test_every_signature_exists_and_binds(lib):
         assert hasattr(cdll, name), name
         f = lib.fn(name)
         assert f is lib.fn(name)
-    assert set(names) >= {"ncclCommInitRankConfig", "ncclSend", "ncclRecv", "ncclAllReduce",
+    assert set(names) >= {"ncclCommInitRankConfig", "ncclSend", "ncclRecv", "ncclAllReduce", "ncclAllGather",
                           "ncclGroupStart", "ncclGroupEnd", "ncclCommAbort", "ncclGetLastError"}
 
 

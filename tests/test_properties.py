@@ -28,6 +28,7 @@ from echonccl.feedback import Feedback
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
 from echonccl.schedules import SCHEDULES, run_rounds
+from echonccl.transport import gather_transfers
 
 import support
 from conftest import run_mpi
@@ -134,6 +135,9 @@ class ThreadTransport:
             data = self.hub[(peer, self.rank)].get(timeout=30)
             assert data.size == buf.size, f"rank {self.rank}: {data.size} bytes from {peer}, expected {buf.size}"
             buf[:] = data
+
+    def all_gather(self, buf, n: int) -> None:
+        self.exchange(*gather_transfers(self.rank, self.size, buf, n))
 
 
 def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: int = 1,

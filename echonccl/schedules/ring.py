@@ -9,8 +9,8 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     (plus its input residual); each following rank decodes the partial sum,
     adds its own contribution in float32 plus its input residual for that
     slice, and requantizes; the owner ``c`` adds its output residual instead
-    and quantizes once more. The all-gather forwards the owners' codes around
-    the ring unchanged, so every rank decodes the same bytes.
+    and quantizes once more. An all-gather (NCCL's runs as a ring) delivers the
+    owners' codes unchanged, so every rank decodes the same bytes.
 
     Uses slot 0 of ``ws.peers_out`` / ``ws.peers_in`` as the hop buffers and
     ``ws.gather`` (P slots).
@@ -35,7 +35,5 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
                               residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
                               ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
 
-    for step in range(P - 1):
-        t.exchange([(right, ws.gather[slot((r - step) % P)])],
-                   [(left, ws.gather[slot((r - step - 1) % P)])])
+    t.all_gather(ws.gather, L.slice_bytes)
     k.dequantize(L, ws.gather, out, accumulate)

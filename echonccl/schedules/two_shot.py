@@ -12,24 +12,35 @@ def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     slices, so every rank's output is bitwise identical.
 
     ``ws.peers_out`` and ``ws.peers_in`` hold P-1 slots, peer ``s`` in slot
-    ``s`` if ``s < rank`` else ``s - 1``; ``ws.gather`` holds P slots.
+    ``s`` if ``s < rank`` else ``s - 1``; ``ws.gather`` holds P slots, owner
+    ``s`` in slot ``s``, filled by `Transport.all_gather` (with two ranks it
+    carries the contributions first; the peer slots are then unused).
     """
     r, P, L = t.rank, t.size, layout
     peers = [s for s in range(P) if s != r]
     slot = L.wire_slot
 
-    for i, s in enumerate(peers):
+    if P == 2:
+        # Two ranks: the exchange of contributions is an all-gather, through ``ws.gather``
+        # (slot r: ours, for the peer; then slot 1 - r: the peer's, for us).
+        s = peers[0]
         lo, hi = L.bounds(s)
-        _quantize(k, L, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)])
-    t.exchange([(s, ws.peers_out[slot(i)]) for i, s in enumerate(peers)],
-               [(s, ws.peers_in[slot(i)]) for i, s in enumerate(peers)])
+        _quantize(k, L, x[lo:hi], _part(state, s, L), ws.gather[slot(r)])
+        t.all_gather(ws.gather, L.slice_bytes)
+        incoming = ws.gather[slot(s)]
+    else:
+        for i, s in enumerate(peers):
+            lo, hi = L.bounds(s)
+            _quantize(k, L, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)])
+        t.exchange([(s, ws.peers_out[slot(i)]) for i, s in enumerate(peers)],
+                   [(s, ws.peers_in[slot(i)]) for i, s in enumerate(peers)])
+        incoming = ws.peers_in
 
     lo, hi = L.bounds(r)
-    k.reduce_quantize(L, incoming=ws.peers_in, own_pos=r, own=x[lo:hi],
+    k.reduce_quantize(L, incoming=incoming, own_pos=r, own=x[lo:hi],
                       residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
                       ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
-    t.exchange([(s, ws.gather[slot(r)]) for s in peers],
-               [(s, ws.gather[slot(s)]) for s in peers])
+    t.all_gather(ws.gather, L.slice_bytes)
     k.dequantize(L, ws.gather, out, accumulate)
 
 
