@@ -2,7 +2,10 @@
 # One device session for the fused peer-memory path (issue 12) on a 2-GPU host: correctness
 # (fused vs the NCCL path, GPU vs CPU reference, graph replay, rounds), then echonccl-perf
 # over NVLink for kernel variants, then the full sweep eager and -G. Logs under $OUT.
-#   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]   steps: check host variants ncclpath sweep
+#   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]
+#   steps: check host variants ncclpath sweep primitives exchange
+# (primitives and exchange are the NCCL path's, issue 14: nccl-tests binaries in build/nccl-tests,
+# built here against the NCCL of the device image; see BENCHMARKS.md.)
 # Prebuilt fatbins (fb/*.fatbin, built with nvcc here) skip NVRTC; see BENCHMARKS.md "Fused path".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,5 +73,45 @@ if want sweep; then
       --algo two_shot,one_shot,auto --quiet -J "$OUT/nvlink_graph.json"
   grep -E "^ +[0-9]|speed|#" "$OUT/sweep_eager.log" | tail -30
   grep -E "^ +[0-9]" "$OUT/sweep_graph.log" | tail -20
+fi
+if want primitives; then
+  # NCCL's own all-reduce, all-gather and send/recv (nccl-tests, one process driving both GPUs)
+  # in the regimes where the NCCL path runs; SOCK_TUNE: the socket settings tried besides NCCL's defaults.
+  nlib=$($PY -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib"))')
+  for regime in p2p sock sock_tuned; do
+    case $regime in
+      p2p) env=(NCCL_P2P_DISABLE=1); args="-b 4M -e 1G -f 4 -n 10 -w 5" ;;
+      sock) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1); args="-b 4M -e 256M -f 4 -n 5 -w 5" ;;
+      sock_tuned) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 ${SOCK_TUNE:-NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4})
+                  args="-b 4M -e 256M -f 4 -n 5 -w 5" ;;
+    esac
+    for t in all_reduce all_gather sendrecv; do
+      env LD_LIBRARY_PATH="$nlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${env[@]}" \
+        step "nt_${regime}_$t" 150 build/nccl-tests/${t}_perf $args -g 2 -d bfloat16
+      grep -E "^ +[0-9]+ " "$OUT/nt_${regime}_$t.log" | awk -v n="$regime $t" '{printf "%-22s %11s B  %9s us  busbw %7s GB/s\n", n, $1, $6, $8}'
+    done
+  done
+fi
+if want exchange; then
+  # The NCCL path with its all-gathers as ncclAllGather (default) or as send/recv rounds
+  # (ECHONCCL_NCCL_ALLGATHER=0), side by side with NCCL, host memory and sockets.
+  for regime in ${EX_REGIMES:-p2p p2p_graph sock}; do
+    case $regime in
+      p2p*) env=(NCCL_P2P_DISABLE=1); args=${EX_P2P_ARGS:--b 4M -e 1G -f 4 -n 10 -w 5 --algo two_shot,two_shot_pipelined} ;;
+      sock*) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 ${EX_SOCK_ENV:-})
+             args=${EX_SOCK_ARGS:--b 16M -e 256M -f 4 -n 5 -w 5 --algo two_shot} ;;
+    esac
+    graph=""
+    [[ $regime == *_graph ]] && graph="-G 5 -c 0"
+    for ag in 1 0; do
+      [[ $regime == *_graph && $ag == 0 ]] && continue
+      xs=""
+      for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do export "$kv"; xs+=" -x ${kv%%=*}"; done
+      step "ex_${regime}_ag$ag" 300 $MPI $xs $PY -m echonccl.perf.all_reduce $args $graph --quiet \
+          -J "$OUT/ex_${regime}_ag$ag.json"
+      for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do unset "${kv%%=*}"; done
+      grep -E "^ +[0-9]" "$OUT/ex_${regime}_ag$ag.log" | awk -v n="$regime ag=$ag" '{printf "%-16s %s\n", n, $0}' | cut -c1-170
+    done
+  done
 fi
 exit $status
