@@ -154,15 +154,15 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
-    reduce_quantize_body<T, ResT, float, G, kRot>(nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr,
+    reduce_quantize_body<T, ResT, float, G, kRot, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr,
                                                   0, j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
-template <typename T, typename ResT, int G, bool kRot>
+template <typename T, typename ResT, int G, bool kRot, int kBatch>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
-    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0>(
+    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0, kBatch>(
         incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
         ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
 }
@@ -233,10 +233,17 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, G, kRot>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
-                                     S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
-                                     P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
-                                     bhi - blo);
+            T* base = accumulate ? out + blo : nullptr;
+            T* own_out = ECHO_FUSED_OWNER_OUT ? out + blo : nullptr;
+            if (P == 2)
+                phase_reduce<T, ResT, G, kRot, 1>(my_recv, 1, rank, x + lo, hi - lo, res_out,
+                                                  my_gather + rank * slice_bytes, S, base, bhi - blo, j, T_,
+                                                  table->gather_peers, 1, rank * slice_bytes, own_out, bhi - blo);
+            else
+                phase_reduce<T, ResT, G, kRot, kInBatch>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
+                                                         my_gather + rank * slice_bytes, S, base, bhi - blo, j, T_,
+                                                         table->gather_peers, P - 1, rank * slice_bytes, own_out,
+                                                         bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 release_fence();

@@ -23,7 +23,8 @@
     stream order) every part holds its rank's bytes. A collective: every rank
     calls it with the same ``n`` in the same place of its rounds. The NCCL
     transport runs ``ncclAllGather`` (NCCL's ring, all its channels); an engine
-    without one does `gather_transfers` as one round.
+    without one does `gather_transfers` as one round. ``start_all_gather`` /
+    `wait` split it in two, as ``start`` does a round.
 
 ``rank`` and ``size`` identify this process in the group.
 """
@@ -45,6 +46,8 @@ class Transport(Protocol):
     def wait(self, handle: Any) -> None: ...
 
     def all_gather(self, buf: Any, n: int) -> None: ...
+
+    def start_all_gather(self, buf: Any, n: int) -> Any: ...
 
 
 def gather_transfers(rank: int, size: int, buf, n: int):

@@ -38,6 +38,10 @@ class MpiTransport:
         round's timeout and its check of message sizes)."""
         self.exchange(*gather_transfers(self.rank, self.size, buf, n))
 
+    def start_all_gather(self, buf, n: int):
+        """`all_gather` posted as `start` posts a round."""
+        return self.start(*gather_transfers(self.rank, self.size, buf, n))
+
     def start(self, sends, recvs):
         """Post one round of nonblocking sends and receives; returns the handle `wait` takes.
         The buffers belong to the round until `wait` returns."""

@@ -39,17 +39,20 @@ class NcclTransport:
 
     def all_gather(self, buf, n: int) -> None:
         """`transport.Transport.all_gather` on the current stream, in place."""
-        if self._all_gather is None:
-            self.exchange(*gather_transfers(self.rank, self.size, buf, n))
-        else:
-            ptr = buf.data.ptr
-            self._all_gather(ptr + self.rank * n, ptr, n, self._stream_ptr_fn())
+        self._gather(buf, n, self._stream_ptr_fn())
 
     def start(self, sends, recvs):
         """One round on the communication stream, after the current stream's queued work;
         returns the event `wait` makes the current stream wait for. Events come from a ring
         (no allocation per call; re-recording one never affects waits already enqueued), so
         a handle must be waited on before ``events / 2`` further starts."""
+        return self._on_side(lambda stream: self._round(sends, recvs, stream))
+
+    def start_all_gather(self, buf, n: int):
+        """`all_gather` on the communication stream, as `start` runs a round."""
+        return self._on_side(lambda stream: self._gather(buf, n, stream))
+
+    def _on_side(self, enqueue):
         import cupy
 
         if self._side is None:
@@ -60,9 +63,16 @@ class NcclTransport:
         at[0] += 2
         ready.record(cupy.cuda.get_current_stream())
         side.wait_event(ready)
-        self._round(sends, recvs, side.ptr)
+        enqueue(side.ptr)
         done.record(side)
         return done
+
+    def _gather(self, buf, n: int, stream: int) -> None:
+        if self._all_gather is None:
+            self._round(*gather_transfers(self.rank, self.size, buf, n), stream)
+        else:
+            ptr = buf.data.ptr
+            self._all_gather(ptr + self.rank * n, ptr, n, stream)
 
     def wait(self, handle) -> None:
         import cupy

@@ -78,14 +78,14 @@ if want primitives; then
   # NCCL's own all-reduce, all-gather and send/recv (nccl-tests, one process driving both GPUs)
   # in the regimes where the NCCL path runs; SOCK_TUNE: the socket settings tried besides NCCL's defaults.
   nlib=$($PY -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib"))')
-  for regime in p2p sock sock_tuned; do
+  for regime in ${PRIM_REGIMES:-p2p sock sock_tuned}; do
     case $regime in
       p2p) env=(NCCL_P2P_DISABLE=1); args="-b 4M -e 1G -f 4 -n 10 -w 5" ;;
       sock) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1); args="-b 4M -e 256M -f 4 -n 5 -w 5" ;;
       sock_tuned) env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 ${SOCK_TUNE:-NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4})
                   args="-b 4M -e 256M -f 4 -n 5 -w 5" ;;
     esac
-    for t in all_reduce all_gather sendrecv; do
+    for t in ${PRIM_TESTS:-all_reduce all_gather sendrecv}; do
       env LD_LIBRARY_PATH="$nlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${env[@]}" \
         step "nt_${regime}_$t" 150 build/nccl-tests/${t}_perf $args -g 2 -d bfloat16
       grep -E "^ +[0-9]+ " "$OUT/nt_${regime}_$t.log" | awk -v n="$regime $t" '{printf "%-22s %11s B  %9s us  busbw %7s GB/s\n", n, $1, $6, $8}'
@@ -103,7 +103,7 @@ if want exchange; then
     esac
     graph=""
     [[ $regime == *_graph ]] && graph="-G 5 -c 0"
-    for ag in 1 0; do
+    for ag in ${EX_AG:-1 0}; do
       [[ $regime == *_graph && $ag == 0 ]] && continue
       xs=""
       for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do export "$kv"; xs+=" -x ${kv%%=*}"; done

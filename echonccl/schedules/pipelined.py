@@ -6,11 +6,10 @@ of ``P * K`` slices of ``C`` elements (`Layout` with ``quantum = C``), so every
 element is quantized in the same group, summed in the same rank order and fed
 back through the same residual element as in `two_shot`: the outputs and
 residuals are bitwise those of `two_shot`. Only the order of work changes:
-chunk ``j``'s transfers (`Transport.start`) run while chunk ``j + 1`` is being
-quantized or reduced.
-
-EXPERIMENTAL: correct on the CPU engine (tested bit for bit against two_shot);
-its speed on GPUs has not been measured yet (BENCHMARKS.md).
+chunk ``j``'s transfers (`Transport.start`, `Transport.start_all_gather`, on the
+GPU a communication stream) run while chunk ``j + 1`` is being quantized or
+reduced, and chunk ``j`` is decoded while later ones travel. Its Python runs
+once per chunk: the GPU engine replays the whole schedule as one CUDA graph.
 """
 from __future__ import annotations
 
@@ -37,9 +36,11 @@ def chunk_count(slice_elems: int) -> int:
 def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """`two_shot` in K chunks (see the module docstring); K = 1 is `two_shot` itself.
 
-    ``ws.peers_out``/``ws.peers_in`` are used chunk-major: chunk ``j`` holds its
-    P-1 peer slots consecutively at ``j * (P - 1) * Bc``; ``ws.gather`` holds the
-    P * K virtual slices in order, so one dequantize decodes them all.
+    ``ws.gather`` holds chunk ``j``'s P slots (owner ``s`` in slot ``s``) at
+    ``j * P * Bc``, gathered by one `Transport.start_all_gather` per chunk and
+    decoded as soon as it is there; with two ranks the chunk's contributions
+    travel the same way first. With more, ``ws.peers_out``/``ws.peers_in`` hold
+    chunk ``j``'s P-1 peer slots at ``j * (P - 1) * Bc``.
     """
     K = chunk_count(layout.slice_elems)
     if K == 1:
@@ -50,29 +51,38 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
     Bc = V.slice_bytes
     peers = [s for s in range(P) if s != r]
 
-    def peer_slot(buf, j, i):
-        base = (j * (P - 1) + i) * Bc
-        return buf[base:base + Bc]
+    def chunk(buf, j, n):          # chunk j's n slots of buf
+        return buf[j * n * Bc:(j + 1) * n * Bc]
+
+    def slot(buf, i):
+        return buf[i * Bc:(i + 1) * Bc]
 
     sent = []
     for j in range(K):
+        if P == 2:
+            s = peers[0]
+            lo, hi = V.bounds(s * K + j)
+            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), slot(chunk(ws.gather, j, P), r))
+            sent.append(t.start_all_gather(chunk(ws.gather, j, P), Bc))
+            continue
+        mine, theirs = chunk(ws.peers_out, j, P - 1), chunk(ws.peers_in, j, P - 1)
         for i, s in enumerate(peers):
             lo, hi = V.bounds(s * K + j)
-            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), peer_slot(ws.peers_out, j, i))
-        sent.append(t.start([(s, peer_slot(ws.peers_out, j, i)) for i, s in enumerate(peers)],
-                            [(s, peer_slot(ws.peers_in, j, i)) for i, s in enumerate(peers)]))
+            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), slot(mine, i))
+        sent.append(t.start([(s, slot(mine, i)) for i, s in enumerate(peers)],
+                            [(s, slot(theirs, i)) for i, s in enumerate(peers)]))
     gathered = []
     for j in range(K):
         t.wait(sent[j])
-        v = r * K + j
-        lo, hi = V.bounds(v)
-        incoming = ws.peers_in[j * (P - 1) * Bc:(j + 1) * (P - 1) * Bc]
+        gather = chunk(ws.gather, j, P)
+        incoming = slot(gather, peers[0]) if P == 2 else chunk(ws.peers_in, j, P - 1)
+        lo, hi = V.bounds(r * K + j)
         e_out = None if state is None else residual_span(state.output, j * C, (j + 1) * C)
         k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,
-                          wire_out=ws.gather[V.wire_slot(v)], ref_dtype=out.dtype,
-                          base=out[lo:hi] if accumulate else None)
-        gathered.append(t.start([(s, ws.gather[V.wire_slot(v)]) for s in peers],
-                                [(s, ws.gather[V.wire_slot(s * K + j)]) for s in peers]))
-    for h in gathered:
-        t.wait(h)
-    k.dequantize(V, ws.gather, out, accumulate)
+                          wire_out=slot(gather, r), ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
+        gathered.append(t.start_all_gather(gather, Bc))
+    for j in range(K):
+        t.wait(gathered[j])
+        for s in range(P):
+            lo, hi = V.bounds(s * K + j)
+            k.dequantize(V, slot(chunk(ws.gather, j, P), s), out[lo:hi], accumulate)
