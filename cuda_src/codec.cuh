@@ -49,11 +49,6 @@
 #ifndef ECHO_PREFETCH
 #define ECHO_PREFETCH 1
 #endif
-// The rotation's cross-lane stages as one fma with a +-1 operand (1) or an add on a
-// sign-flipped operand (0); the same bits either way.
-#ifndef ECHO_ROT_FMA
-#define ECHO_ROT_FMA 0
-#endif
 
 namespace echo {
 
@@ -466,22 +461,12 @@ __device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
         // fl(a + (-b)) (IEEE: exact identities for every non-NaN operand; a NaN's group is
         // replaced by its scale's NaN anyway): one add on the partner's value and our own,
         // sign-flipped in the upper lane, instead of two ops and a select.
-#if ECHO_ROT_FMA
-        // fl(o + s * v) with s = +-1 in one fma: s * v is exact, so it rounds once, as the add.
-        const float sgn = (lb & x) != 0 ? -1.0f : 1.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
-            asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(v[j]) : "f"(sgn), "f"(v[j]), "f"(o));
-        }
-#else
         const u32 flip = (lb & x) != 0 ? 0x80000000u : 0u;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
             v[j] = add_rn(o, bitsf(fbits(v[j]) ^ flip));
         }
-#endif
     }
 }
 
@@ -551,7 +536,8 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
 // scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
 // kernel's peers), as they are made.
-// kBatch: incoming slices loaded together (callers pass 1 when n_in <= 1: fewer registers).
+// kBatch: incoming slices loaded together (the fused kernel passes 1 with two ranks: fewer
+// registers, fewer spills; the standalone kernels keep one body: with both they spilled).
 template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false,
           bool kOut = false, int kBatch = kInBatch>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,

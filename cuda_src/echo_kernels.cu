@@ -60,14 +60,9 @@
              const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                    \
              unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
              long long base_n) {                                                                                      \
-        const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                       \
-        const long long stride = (long long)gridDim.x * blockDim.x;                                                   \
-        if (n_in <= 1)                                                                                                \
-            echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, ROT, false, false, 1>(                      \
-                incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t0, S >> 3, stride);        \
-        else                                                                                                          \
-            echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, ROT>(                                       \
-                incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t0, S >> 3, stride);        \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, ROT>(                                           \
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
+            (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }
 #define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \
     ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G, IN, RES, REF, G, false)    \

@@ -29,6 +29,7 @@ step() {  # step NAME TIMEOUT CMD...
   local rc=$?
   echo "step $name rc=$rc $((SECONDS - t0))s"
   [[ $rc == 0 ]] || { status=1; tail -25 "$OUT/$name.log"; }
+  return $rc
 }
 if want check; then
   nvidia-smi topo -m | head -4
@@ -86,8 +87,8 @@ if want primitives; then
                   args="-b 4M -e 256M -f 4 -n 5 -w 5" ;;
     esac
     for t in ${PRIM_TESTS:-all_reduce all_gather sendrecv}; do
-      env LD_LIBRARY_PATH="$nlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${env[@]}" \
-        step "nt_${regime}_$t" 150 build/nccl-tests/${t}_perf $args -g 2 -d bfloat16
+      (export LD_LIBRARY_PATH="$nlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${env[@]}"
+       step "nt_${regime}_$t" 150 build/nccl-tests/${t}_perf $args -g 2 -d bfloat16 -c 0) || status=1
       grep -E "^ +[0-9]+ " "$OUT/nt_${regime}_$t.log" | awk -v n="$regime $t" '{printf "%-22s %11s B  %9s us  busbw %7s GB/s\n", n, $1, $6, $8}'
     done
   done
