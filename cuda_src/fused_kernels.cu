@@ -80,6 +80,12 @@ __device__ __forceinline__ u64 global_ns() {
 #ifndef ECHO_FUSED_OWNER_OUT
 #define ECHO_FUSED_OWNER_OUT 1
 #endif
+// Incoming slices loaded together by the owner's reduce (codec.cuh's standalone kernels: 4).
+// One: fewer registers and spills, measured faster with two ranks (1 GiB 2117 -> 1954 us); a
+// second instantiation for P > 2 beside it made the kernel slower (2224 us). P > 2 not measured.
+#ifndef ECHO_FUSED_IN_BATCH
+#define ECHO_FUSED_IN_BATCH 1
+#endif
 __device__ __forceinline__ void release_fence() {
     if (ECHO_FUSED_FENCE) __threadfence_system();
 }
@@ -154,15 +160,16 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
-    reduce_quantize_body<T, ResT, float, G, kRot, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr,
-                                                  0, j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+    reduce_quantize_body<T, ResT, float, G, kRot, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S,
+                                                                   (const float*)nullptr, 0, j * kChunk + threadIdx.x,
+                                                                   S >> 3, ntiles * kChunk);
 }
-template <typename T, typename ResT, int G, bool kRot, int kBatch>
+template <typename T, typename ResT, int G, bool kRot>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
-    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0, kBatch>(
+    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH>(
         incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
         ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
 }
@@ -233,17 +240,10 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            T* base = accumulate ? out + blo : nullptr;
-            T* own_out = ECHO_FUSED_OWNER_OUT ? out + blo : nullptr;
-            if (P == 2)
-                phase_reduce<T, ResT, G, kRot, 1>(my_recv, 1, rank, x + lo, hi - lo, res_out,
-                                                  my_gather + rank * slice_bytes, S, base, bhi - blo, j, T_,
-                                                  table->gather_peers, 1, rank * slice_bytes, own_out, bhi - blo);
-            else
-                phase_reduce<T, ResT, G, kRot, kInBatch>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
-                                                         my_gather + rank * slice_bytes, S, base, bhi - blo, j, T_,
-                                                         table->gather_peers, P - 1, rank * slice_bytes, own_out,
-                                                         bhi - blo);
+            phase_reduce<T, ResT, G, kRot>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
+                                     S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
+                                     P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
+                                     bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 release_fence();
