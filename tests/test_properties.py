@@ -140,6 +140,24 @@ class ThreadTransport:
         self.exchange(*gather_transfers(self.rank, self.size, buf, n))
 
 
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_all_gather_as_one_round(P):
+    """`gather_transfers` (the MPI engine's all-gather, and the NCCL one's fallback): every rank
+    ends with every rank's part, its own untouched, each part sent exactly once to each peer."""
+    n, hub = 7, {(s, d): queue.SimpleQueue() for s in range(P) for d in range(P)}
+    bufs = [np.full(P * n, 255, np.uint8) for _ in range(P)]
+    for r in range(P):
+        bufs[r][r * n:(r + 1) * n] = np.arange(n, dtype=np.uint8) + 10 * r
+    with ThreadPoolExecutor(P) as ex:
+        list(ex.map(lambda r: ThreadTransport(hub, r, P).all_gather(bufs[r], n), range(P)))
+    want = np.concatenate([np.arange(n, dtype=np.uint8) + 10 * r for r in range(P)])
+    for r in range(P):
+        assert bufs[r].tobytes() == want.tobytes(), f"rank {r}"
+    assert all(q.empty() for q in hub.values())
+    sends, recvs = gather_transfers(1 % P, P, bufs[0], n)
+    assert [p for p, _ in sends] == [p for p, _ in recvs] == [s for s in range(P) if s != 1 % P]
+
+
 def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: int = 1,
              codec_name: str = "int4") -> list[np.ndarray]:
     """Run one all-reduce of ``xs`` (one array per simulated rank) through the schedule, in ``rounds``."""
@@ -254,8 +272,9 @@ def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
     tol = 2.0 ** -18 * T * (P + 1) * xmax + 8 * T * P * SUB
     if residual_dtype == "input" and dt != "float32":
         tol += 2.0 ** -6 * T * (P + 1) * xmax * P
-    if residual_dtype == "int8":        # each stored residual is kept to 1/128 of its block's largest
-        tol += 2.0 ** -7 * T * (P + 1) * rmax
+    if residual_dtype == "int8":        # each stored residual is kept to 1/128 of its block's largest,
+        # in the domain it is stored in: rotated back (int4-h32), an element sums 32 of those errors
+        tol += 2.0 ** -7 * T * (P + 1) * rmax * (codec.ROT_BLOCK if codec.rotated(cd) else 1)
     assert gap <= tol, f"telescoping gap {gap:.3g} > {tol:.3g}"
 
 
