@@ -372,16 +372,16 @@ class GpuEngine:
         """Below this input size ``auto`` dispatches to NCCL's own all-reduce.
 
         Measured on two H200s with echonccl-perf (BENCHMARKS.md), by the transport
-        NCCL is told to use: NVLink/P2P 128 MiB (4-bit reaches 1.0x at 64 MiB),
-        ``NCCL_P2P_DISABLE=1`` 4 MiB (two_shot 0.75x at 2 MiB, 1.61x at 4 MiB, with
-        its schedule replayed as a CUDA graph), and with ``NCCL_SHM_DISABLE=1`` too
-        (sockets) 2 MiB (1.24x at 2 MiB, 0.51x at 128 KiB). Override with
-        ``ECHONCCL_CROSSOVER_BYTES``.
+        NCCL is told to use: NVLink/P2P 128 MiB (4-bit reaches 1.0x at 64 MiB), and
+        ``NCCL_P2P_DISABLE=1``, with or without ``NCCL_SHM_DISABLE=1`` (sockets), 2 MiB
+        (with all-gathers through ncclAllGather and the schedule replayed as a CUDA graph:
+        host memory 1.23x eager / 1.30x graph at 2 MiB, 1.03x / 1.14x at 512 KiB; sockets
+        1.69x / 1.67x at 2 MiB). Override with ``ECHONCCL_CROSSOVER_BYTES``.
         """
         if self.fused is not None:
             return FUSED_CROSSOVER_BYTES
         if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
-            return (2 << 20) if os.environ.get("NCCL_SHM_DISABLE", "0") not in ("0", "") else (4 << 20)
+            return 2 << 20
         return 128 << 20
 
     def preferred_schedule(self, nranks: int) -> str:
