@@ -496,8 +496,7 @@ __device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
     else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
 }
 
-// Incoming slices are consumed in batches of this many, so their loads are in flight together
-// (with one incoming slice, two ranks, a batch of 1 saves registers: 1 GiB fused 2117 -> 1954 us).
+// Incoming slices are consumed in batches of this many, so their loads are in flight together.
 #ifndef ECHO_IN_BATCH
 #define ECHO_IN_BATCH 4
 #endif
@@ -536,8 +535,8 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
 // scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
 // kernel's peers), as they are made.
-// kBatch: incoming slices loaded together (the fused kernel passes 1 with two ranks: fewer
-// registers, fewer spills; the standalone kernels keep one body: with both they spilled).
+// kBatch: incoming slices loaded together (the fused kernel passes ECHO_FUSED_IN_BATCH = 1:
+// fewer registers and spills, faster with two ranks; the standalone kernels use kInBatch).
 template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false,
           bool kOut = false, int kBatch = kInBatch>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
