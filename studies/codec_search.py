@@ -42,6 +42,11 @@ def codecs() -> dict:
         "int4 G32 H32, round 2 G128": Codec("int4 G32 H32, r2 G128", R(32), [Q(32), Q(128)]),
         "int4 G32 H32, round 2 implicit": Codec("int4 G32 H32, r2 implicit", R(32), [Q(32), Q(32, "implicit")]),
         "int4 G32 (today), round 2 G128": Codec("int4 G32, r2 G128", R(0), [Q(32), Q(128)]),
+        # at most 8 bits an element (issue 13's accuracy mode): wider codes, or a 3-bit second round
+        "int7 G32 H32": Codec("int7 G32 H32", R(32), [Q(32, levels=63)]),
+        "int6 G32 H32": Codec("int6 G32 H32", R(32), [Q(32, levels=31)]),
+        "int4 G32 H32, round 2 implicit int3": Codec("int4 G32 H32, r2 implicit int3", R(32),
+                                                     [Q(32), Q(32, "implicit", levels=3, implicit_div=6.0)]),
     }
 
 
@@ -75,6 +80,10 @@ VARIANTS = {
     "H32 x2 (r2 implicit)": ("int4 G32 H32, round 2 implicit", dict(rounds=2)),
     "H32 x2 (r2 implicit)+flush": ("int4 G32 H32, round 2 implicit", dict(rounds=2, flush=True)),
     "today x2 (r2 G128)": ("int4 G32 (today), round 2 G128", dict(rounds=2)),
+    "H32 int7": ("int7 G32 H32", {}),
+    "H32 int6": ("int6 G32 H32", {}),
+    "H32 int6+flush": ("int6 G32 H32", dict(flush=True)),
+    "H32 x2 (r2 implicit int3)": ("int4 G32 H32, round 2 implicit int3", dict(rounds=2)),
 }
 SHORT = ["today", "today+flush", "H32", "H32+flush", "G16 H16 m3", "G16 H16 m3+flush", "H32 x2",
          "H32 x2 (r2 implicit)", "H32 x2 (r2 implicit)+flush"]

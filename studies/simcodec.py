@@ -69,25 +69,30 @@ class Rotation:
 
 @dataclass
 class Quantizer:
-    """int4 codes in [-7, 7], one scale per ``group`` elements.
+    """Integer codes in [-levels, levels] (int4: 7), one scale per ``group`` elements.
 
     ``scale``: ``fp32`` (absmax / 7), ``e8m0`` (a power of two >= absmax / 7: 8-bit
     exponent-only), ``m3`` (absmax / 7 rounded up to 3 mantissa bits: an 8-bit float
     scale, e4m3-like, exponent range assumed covered by a per-slice scale),
-    ``implicit`` (round 2+: the previous round's scale / 8, no scale bits).
+    ``implicit`` (round 2+: the previous round's scale / ``implicit_div``, no scale bits; the
+    residual it codes is at most half the previous step).
     ``mse``: pick the clipping ratio minimizing the group's squared error.
+    ``levels``: 7 (int4), 3 (int3), 31 (int6), 63 (int7): ceil(log2(2 levels + 1)) bits a code.
     """
 
     group: int = 32
     scale: str = "fp32"
     mse: bool = False
+    levels: int = 7
+    implicit_div: float = 8.0
 
     def bits(self) -> float:
-        return 4 + {"fp32": 32, "e8m0": 8, "m3": 8, "implicit": 0}[self.scale] / self.group
+        code = int(np.ceil(np.log2(2 * self.levels + 1)))
+        return code + {"fp32": 32, "e8m0": 8, "m3": 8, "implicit": 0}[self.scale] / self.group
 
     def _scale(self, amax):
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            s = amax / _F32(7)
+            s = amax / _F32(self.levels)
             if self.scale == "e8m0":
                 e = np.ceil(np.log2(np.where(s > 0, s, 1)))
                 s = np.where(s > 0, np.exp2(e), 0).astype(_F32)
@@ -104,7 +109,7 @@ class Quantizer:
         g0 = np.where(finite[:, None], g, _F32(0))
         amax = np.abs(g0).max(axis=1)
         if self.scale == "implicit":
-            s = (prev_scale / _F32(8)).astype(_F32)
+            s = (prev_scale / _F32(self.implicit_div)).astype(_F32)
             cands = [s]
         elif self.mse:
             cands = [self._scale(amax * _F32(c)) for c in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)]
@@ -113,7 +118,7 @@ class Quantizer:
         best, best_err = None, None
         for s in cands:
             safe = np.where(s > 0, s, _F32(1))[:, None]
-            d = (np.clip(np.rint(g0 / safe), -7, 7) * safe).astype(_F32)
+            d = (np.clip(np.rint(g0 / safe), -self.levels, self.levels) * safe).astype(_F32)
             d[s == 0] = 0
             if best is None:
                 best, best_err, best_s = d, ((g0 - d) ** 2).sum(axis=1), s

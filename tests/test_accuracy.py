@@ -115,3 +115,23 @@ def test_smollm2_quick(tmp_path):
         assert flush["ppl"] < echo["ppl"] and flush["agree"] >= echo["agree"], (algo, flush, echo)
         # two rounds per call: the issue's targets (2%, 97%), with margin for 126 predictions
         assert abs(two["ppl"] / ref - 1) < 0.03 and two["agree"] >= 0.95, (algo, two)
+
+
+def test_simulated_codec_widths_and_implicit_scale():
+    """studies/simcodec.py's quantizer: bits per element by code width, errors within half a
+    step, and a 3-bit implicit second round (previous scale / 6) that never clips a residual."""
+    import sys
+    sys.path.insert(0, "studies")
+    from simcodec import Quantizer
+
+    assert Quantizer(32).bits() == 5 and Quantizer(32, levels=63).bits() == 8
+    assert Quantizer(32, levels=31).bits() == 7 and Quantizer(32, "implicit", levels=3).bits() == 3
+    v = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    for levels in (7, 31, 63):
+        d, s = Quantizer(32, levels=levels).qdq(v)
+        step = np.repeat(s, 32)
+        assert np.all(np.abs(v - d) <= 0.5 * step * (1 + 1e-6))
+    d1, s1 = Quantizer(32).qdq(v)
+    r = v - d1
+    d2, s2 = Quantizer(32, "implicit", levels=3, implicit_div=6.0).qdq(r, s1)
+    assert np.allclose(s2, s1 / 6) and np.all(np.abs(r - d2) <= 0.5 * np.repeat(s2, 32) * (1 + 1e-5))
