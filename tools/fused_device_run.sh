@@ -107,10 +107,10 @@ if want exchange; then
     for ag in ${EX_AG:-1 0}; do
       [[ $regime == *_graph && $ag == 0 ]] && continue
       xs=""
-      for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do export "$kv"; xs+=" -x ${kv%%=*}"; done
-      step "ex_${regime}_ag$ag" 300 $MPI $xs $PY -m echonccl.perf.all_reduce $args $graph --quiet \
-          -J "$OUT/ex_${regime}_ag$ag.json"
-      for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do unset "${kv%%=*}"; done
+      for kv in "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag; do xs+=" -x ${kv%%=*}"; done
+      (export "${env[@]}" ECHONCCL_NCCL_ALLGATHER=$ag
+       step "ex_${regime}_ag$ag" 300 $MPI $xs $PY -m echonccl.perf.all_reduce $args $graph --quiet \
+           -J "$OUT/ex_${regime}_ag$ag.json") || status=1
       grep -E "^ +[0-9]" "$OUT/ex_${regime}_ag$ag.log" | awk -v n="$regime ag=$ag" '{printf "%-16s %s\n", n, $0}' | cut -c1-170
     done
   done

@@ -17,7 +17,7 @@ import os
 
 from ..codec import SLICE_QUANTUM, residual_span
 from ..layout import Layout
-from .two_shot import _part, _quantize, two_shot
+from .two_shot import _contribute, two_shot
 
 MAX_CHUNKS = 8
 MIN_CHUNK_ELEMS = int(os.environ.get("ECHONCCL_PIPELINE_MIN_CHUNK", 1 << 20))
@@ -49,7 +49,6 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
     C = layout.slice_elems // K
     V = Layout(layout.count, P * K, layout.group, quantum=C, codec=layout.codec)
     Bc = V.slice_bytes
-    peers = [s for s in range(P) if s != r]
 
     def chunk(buf, j, n):          # chunk j's n slots of buf
         return buf[j * n * Bc:(j + 1) * n * Bc]
@@ -57,25 +56,12 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
     def slot(buf, i):
         return buf[i * Bc:(i + 1) * Bc]
 
-    sent = []
-    for j in range(K):
-        if P == 2:
-            s = peers[0]
-            lo, hi = V.bounds(s * K + j)
-            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), slot(chunk(ws.gather, j, P), r))
-            sent.append(t.start_all_gather(chunk(ws.gather, j, P), Bc))
-            continue
-        mine, theirs = chunk(ws.peers_out, j, P - 1), chunk(ws.peers_in, j, P - 1)
-        for i, s in enumerate(peers):
-            lo, hi = V.bounds(s * K + j)
-            _quantize(k, V, x[lo:hi], _part(state, s * K + j, V), slot(mine, i))
-        sent.append(t.start([(s, slot(mine, i)) for i, s in enumerate(peers)],
-                            [(s, slot(theirs, i)) for i, s in enumerate(peers)]))
+    sent = [_contribute(k, t, V, x, state, chunk(ws.gather, j, P), chunk(ws.peers_out, j, P - 1),
+                        chunk(ws.peers_in, j, P - 1), first=j, stride=K, start=True) for j in range(K)]
     gathered = []
-    for j in range(K):
-        t.wait(sent[j])
+    for j, (incoming, handle) in enumerate(sent):
+        t.wait(handle)
         gather = chunk(ws.gather, j, P)
-        incoming = slot(gather, peers[0]) if P == 2 else chunk(ws.peers_in, j, P - 1)
         lo, hi = V.bounds(r * K + j)
         e_out = None if state is None else residual_span(state.output, j * C, (j + 1) * C)
         k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,

@@ -16,25 +16,9 @@ def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     ``s`` in slot ``s``, filled by `Transport.all_gather` (with two ranks it
     carries the contributions first; the peer slots are then unused).
     """
-    r, P, L = t.rank, t.size, layout
-    peers = [s for s in range(P) if s != r]
+    r, L = t.rank, layout
     slot = L.wire_slot
-
-    if P == 2:
-        # Two ranks: the exchange of contributions is an all-gather, through ``ws.gather``
-        # (slot r: ours, for the peer; then slot 1 - r: the peer's, for us).
-        s = peers[0]
-        lo, hi = L.bounds(s)
-        _quantize(k, L, x[lo:hi], _part(state, s, L), ws.gather[slot(r)])
-        t.all_gather(ws.gather, L.slice_bytes)
-        incoming = ws.gather[slot(s)]
-    else:
-        for i, s in enumerate(peers):
-            lo, hi = L.bounds(s)
-            _quantize(k, L, x[lo:hi], _part(state, s, L), ws.peers_out[slot(i)])
-        t.exchange([(s, ws.peers_out[slot(i)]) for i, s in enumerate(peers)],
-                   [(s, ws.peers_in[slot(i)]) for i, s in enumerate(peers)])
-        incoming = ws.peers_in
+    incoming, _ = _contribute(k, t, L, x, state, ws.gather, ws.peers_out, ws.peers_in)
 
     lo, hi = L.bounds(r)
     k.reduce_quantize(L, incoming=incoming, own_pos=r, own=x[lo:hi],
@@ -42,6 +26,30 @@ def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
                       ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
     t.all_gather(ws.gather, L.slice_bytes)
     k.dequantize(L, ws.gather, out, accumulate)
+
+
+def _contribute(k, t, layout, x, state, gather, peers_out, peers_in, first=0, stride=1, start=False):
+    """Quantize this rank's contribution to each peer ``s``'s slice (slice ``s * stride + first``
+    of ``layout``) and send it to that owner: with two ranks as an all-gather through ``gather``
+    (P slots: ours into slot ``rank``, the peer's arrives in the other), else as one round from
+    ``peers_out`` to ``peers_in`` (P-1 slots, peer order). Returns ``(incoming, handle)``: the
+    slots the owner's reduce reads, and with ``start`` the handle `Transport.wait` takes (the
+    transfer posted by ``start_all_gather`` / ``start``), else None (done in stream order)."""
+    r, P, B = t.rank, t.size, layout.slice_bytes
+    peers = [s for s in range(P) if s != r]
+
+    def slot(buf, i):
+        return buf[i * B:(i + 1) * B]
+
+    mine = [slot(gather, r)] if P == 2 else [slot(peers_out, i) for i in range(P - 1)]
+    for dst, s in zip(mine, peers):
+        v = s * stride + first
+        lo, hi = layout.bounds(v)
+        _quantize(k, layout, x[lo:hi], _part(state, v, layout), dst)
+    if P == 2:
+        return slot(gather, peers[0]), (t.start_all_gather if start else t.all_gather)(gather, B)
+    transfers = ([(s, m) for s, m in zip(peers, mine)], [(s, slot(peers_in, i)) for i, s in enumerate(peers)])
+    return peers_in, (t.start if start else t.exchange)(*transfers)
 
 
 def _quantize(k, layout, own, residual, wire_out) -> None:
