@@ -49,6 +49,11 @@
 #ifndef ECHO_PREFETCH
 #define ECHO_PREFETCH 1
 #endif
+// ... and, where incoming slices are taken one at a time (the fused kernel's owner), the next
+// chunk's incoming code word and scale too (fused 1 GiB 1951 -> 1915 us on two H200s).
+#ifndef ECHO_PREFETCH_IN
+#define ECHO_PREFETCH_IN 1
+#endif
 
 namespace echo {
 
@@ -557,12 +562,20 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
     const bool res_vec = residual != nullptr && aligned16(residual);
     const int nin = (int)n_in, opos = (int)own_pos;
 
+    // With one incoming slice at a time, its code word and scale are prefetched too.
+    constexpr bool kPfIn = ECHO_PREFETCH && ECHO_PREFETCH_IN && kBatch == 1;
     i64 t = t_first;
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
+    u32 in_w_next = 0u;
+    float in_sc_next = 0.0f;
     if (ECHO_PREFETCH && t < nthreads) {
         own_next = load_raw8<InT, true>(own, t << 3, own_n, own_vec);
         if (residual != nullptr) res_next = res_load<ResT>(residual, t, S, res_vec);
+        if (kPfIn && nin > 0) {
+            in_w_next = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(incoming) + t);
+            in_sc_next = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(incoming + codes_bytes) + t / kLanes);
+        }
     }
     for (; t < nthreads; t += stride) {
         const i64 e0 = t << 3;
@@ -570,12 +583,19 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 
         Raw8<InT> own_r;
         ResRaw<ResT> res_r;
+        const u32 in_w = in_w_next;
+        const float in_sc = in_sc_next;
         if (ECHO_PREFETCH) {
             own_r = own_next;
             res_r = res_next;
             if (t + stride < nthreads) {
                 own_next = load_raw8<InT, true>(own, e0 + (stride << 3), own_n, own_vec);
                 if (residual != nullptr) res_next = res_load<ResT>(residual, t + stride, S, res_vec);
+                if (kPfIn && nin > 0) {
+                    in_w_next = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(incoming) + t + stride);
+                    in_sc_next = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(incoming + codes_bytes) +
+                                                    (t + stride) / kLanes);
+                }
             }
         } else {
             own_r = load_raw8<InT, true>(own, e0, own_n, own_vec);
@@ -596,7 +616,10 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
             float sc[kBatch];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
-                if (b0 + u < nin) {
+                if (kPfIn && b0 == 0) {
+                    w[u] = in_w;
+                    sc[u] = in_sc;
+                } else if (b0 + u < nin) {
                     const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
                     w[u] = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
                     sc[u] = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sl + codes_bytes) + grp);
