@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import dtypes, fused, nccl
+from . import cuda_driver, dtypes, fused, nccl, transport_nccl
 from .errors import EchoncclError, PeerTimeoutError
 from .kernels_cuda import CudaKernels
 from .transport_mpi import allgather_digest, allgather_object, node_rank_and_size
@@ -95,6 +95,9 @@ class _GraphedRun:
                     graph = side.end_capture()
         except Exception:  # noqa: BLE001
             return None
+        if transport_nccl.COMM_PRIORITY:       # replays keep the communication stream's priority
+            with contextlib.suppress(EchoncclError):
+                return cuda_driver.PriorityGraph(graph)
         return graph
 
 

@@ -20,7 +20,7 @@ import ctypes
 import os
 from collections import OrderedDict
 
-from . import dtypes, kernels_cuda
+from . import cuda_driver, dtypes, kernels_cuda
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
 
@@ -102,14 +102,7 @@ class _Launch:
     by one ``cuLaunchKernel`` through ctypes on the stream given: what a call costs on the host
     once its buffers have been seen (CuPy's ``RawKernel`` call converts every argument each time)."""
 
-    _cu = None
-
     def __init__(self, kern, grid: int, args):
-        if _Launch._cu is None:
-            cu = ctypes.CDLL("libcuda.so.1")
-            cu.cuLaunchKernel.restype = ctypes.c_int
-            cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            _Launch._cu = cu
         self.kern, self.grid = kern, int(grid)
         self.fn = kern.kernel.ptr
         self.vals = (ctypes.c_int64 * len(args))(*[int(a) for a in args])
@@ -118,11 +111,7 @@ class _Launch:
 
     def __call__(self, stream) -> None:
         """Enqueue on ``stream`` (a cupy stream)."""
-        err = self._cu.cuLaunchKernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream.ptr, self.params, None)
-        if err:
-            from .errors import EchoncclError
-
-            raise EchoncclError(f"cuLaunchKernel({getattr(self.kern, 'name', '?')}) failed: CUresult {err}")
+        cuda_driver.launch(self.fn, self.grid, BLOCK, stream.ptr, self.params, getattr(self.kern, "name", "?"))
 
 
 class _Plans(OrderedDict):

@@ -7,6 +7,15 @@ import os
 from .transport import gather_transfers
 
 
+# ECHONCCL_COMM_PRIORITY=1: the communication stream at the device's greatest priority, and the
+# NCCL path's schedule graphs instantiated to keep it (`cuda_driver.PriorityGraph`): when a
+# transfer and a codec kernel become ready together, NCCL's blocks then take the SMs first.
+# Measured on two H200s through host memory (BENCHMARKS.md, fourth pass): two_shot_pipelined at
+# 1 GiB 15.2 -> 14.4-14.7 ms eager, but slower at 16-32 MiB and no better under a caller's CUDA
+# graph (which ignores node priorities), so it is off by default.
+COMM_PRIORITY = os.environ.get("ECHONCCL_COMM_PRIORITY", "0") not in ("0", "false", "no")
+
+
 class NcclTransport:
     """`transport.Transport` over an `nccl.NcclComm` (cupy uint8 device buffers).
 
@@ -56,7 +65,9 @@ class NcclTransport:
         import cupy
 
         if self._side is None:
-            self._side = (cupy.cuda.Stream(non_blocking=True),
+            # CUDA clamps a priority beyond the device's range to its greatest (Hopper: -5).
+            prio = -1000 if COMM_PRIORITY else 0
+            self._side = (cupy.cuda.Stream(non_blocking=True, priority=prio),
                           [cupy.cuda.Event(disable_timing=True) for _ in range(self._nevents)], [0])
         side, ring, at = self._side
         ready, done = ring[at[0] % len(ring)], ring[(at[0] + 1) % len(ring)]
