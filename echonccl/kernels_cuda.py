@@ -220,11 +220,17 @@ class CudaKernels:
     the next chunk while computing one). dequantize: a 2-D grid, ``y`` = one
     slice per row (only the slices holding ``out``), ``x`` = ``min(S / (2048 *
     unroll), dq_blocks_per_sm * SMs)``. Both defaults were measured best on H200.
+    ``max_blocks`` (> 0; ``ECHONCCL_CODEC_MAX_BLOCKS``) caps every grid, so that kernels
+    running beside NCCL's on another stream leave SMs free.
     """
 
-    def __init__(self, blocks_per_sm: int = 8, dq_blocks_per_sm: int = 16, check: bool = True):
+    def __init__(self, blocks_per_sm: int = 8, dq_blocks_per_sm: int = 16, check: bool = True,
+                 max_blocks: int | None = None):
         self.blocks_per_sm = int(blocks_per_sm)
         self.dq_blocks_per_sm = int(dq_blocks_per_sm)
+        if max_blocks is None:
+            max_blocks = int(os.environ.get("ECHONCCL_CODEC_MAX_BLOCKS", 0) or 0)
+        self.max_blocks = int(max_blocks)
         self.check = check
         self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G, codec) -> RawKernel
         self._dq: dict = {}       # (out dtype, G, accumulate, codec) -> (RawKernel, unroll)
@@ -259,7 +265,8 @@ class CudaKernels:
         threads = S // ELEMS_PER_THREAD
 
         def blocks(n, per_sm):
-            return max(1, min(-(-n // BLOCK), sms * per_sm))
+            cap = sms * per_sm if self.max_blocks <= 0 else min(sms * per_sm, self.max_blocks)
+            return max(1, min(-(-n // BLOCK), cap))
 
         dq = {u: blocks(threads // u, self.dq_blocks_per_sm) for u in set(_DQ_UNROLL.values())}
         g = Geometry(S, G, B, blocks(threads, self.blocks_per_sm), dq)

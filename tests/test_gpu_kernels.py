@@ -277,10 +277,12 @@ def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
         assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
 
 
+@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
 @pytest.mark.parametrize("cd", codec.CODECS)
-def test_large_slice_grid_stride(cd):
-    """A slice bigger than one grid (blocks_per_sm=1): the grid-stride loop, several incoming slices."""
-    ck1 = CudaKernels(blocks_per_sm=1)
+def test_large_slice_grid_stride(cd, grid):
+    """A slice bigger than one grid (blocks_per_sm=1, or grids capped at 3 blocks as
+    ECHONCCL_CODEC_MAX_BLOCKS does): the grid-stride loop, several incoming slices."""
+    ck1 = CudaKernels(**grid)
     rng = np.random.default_rng(3)
     big_s = 1 << 19
     layout = Layout(big_s * 4, 4, 64, codec=cd)
