@@ -3,7 +3,7 @@
 # (fused vs the NCCL path, GPU vs CPU reference, graph replay, rounds), then echonccl-perf
 # over NVLink for kernel variants, then the full sweep eager and -G. Logs under $OUT.
 #   OUT=dir bash tools/fused_device_run.sh [STEP[,STEP...]|all]
-#   steps: check host variants ncclpath sweep primitives exchange
+#   steps: check host variants ncclpath sweep primitives exchange timeline
 # (primitives and exchange are the NCCL path's, issue 14: nccl-tests binaries in build/nccl-tests,
 # built here against the NCCL of the device image; see BENCHMARKS.md.)
 # Prebuilt fatbins (fb/*.fatbin, built with nvcc here) skip NVRTC; see BENCHMARKS.md "Fused path".
@@ -113,6 +113,30 @@ if want exchange; then
            -J "$OUT/ex_${regime}_ag$ag.json") || status=1
       grep -E "^ +[0-9]" "$OUT/ex_${regime}_ag$ag.log" | awk -v n="$regime ag=$ag" '{printf "%-16s %s\n", n, $0}' | cut -c1-170
     done
+  done
+fi
+if want timeline; then
+  # The NCCL path through host memory: CUPTI kernel timelines of two_shot and two_shot_pipelined
+  # (wheels/: cupti-python and nvidia-cuda-cupti, unzipped here), then the pipelined schedule
+  # with the codec kernels' grids capped (ECHONCCL_CODEC_MAX_BLOCKS; 0 = no cap).
+  tl=/tmp/cupti-wheels; mkdir -p $tl
+  for w in wheels/*.whl; do $PY -m zipfile -e "$w" $tl; done
+  export PYTHONPATH=$PYTHONPATH:$tl LD_LIBRARY_PATH=$tl/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  MPI+=" -x LD_LIBRARY_PATH"
+  for kv in ${TL_ENV:-}; do export "${kv?}"; MPI+=" -x ${kv%%=*}"; done   # e.g. TL_ENV="ECHONCCL_COMM_PRIORITY=1"
+  for c in ${TL_COUNTS:-134217728 536870912}; do
+    for algo in ${TL_ALGOS:-two_shot two_shot_pipelined}; do
+      (export NCCL_P2P_DISABLE=1 ECHONCCL_CODEC_MAX_BLOCKS=${TL_CAP:-0}
+       step "tl_${algo}_$c" 150 $MPI -x NCCL_P2P_DISABLE -x ECHONCCL_CODEC_MAX_BLOCKS \
+           $PY tools/timeline.py --count "$c" --algo "$algo") || status=1
+      grep -E "^call" "$OUT/tl_${algo}_$c.log"
+    done
+  done
+  for cap in ${CAPS:-0 264 132 66}; do
+    (export NCCL_P2P_DISABLE=1 ECHONCCL_CODEC_MAX_BLOCKS=$cap
+     step "cap_$cap" 200 $MPI -x NCCL_P2P_DISABLE -x ECHONCCL_CODEC_MAX_BLOCKS $PY -m echonccl.perf.all_reduce \
+         ${CAP_ARGS:--b 64M -e 1G -f 4 -n 10 -w 5 -c 0 --algo two_shot,two_shot_pipelined} --quiet) || status=1
+    grep -E "^ +[0-9]" "$OUT/cap_$cap.log" | awk -v n="cap=$cap" '{printf "%-9s %s\n", n, $0}' | cut -c1-170
   done
 fi
 exit $status
