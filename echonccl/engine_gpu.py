@@ -50,8 +50,9 @@ def _as_cupy_stream(stream):
 
 
 # ``auto`` below this input size runs the 16-bit one-shot when peers map each other's memory
-# (measured on two H200s over NVLink: BENCHMARKS.md, "Fused path").
-FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 16 << 20))
+# (measured on two H200s over NVLink: 8 MiB two-shot 37.6 us with 512 tiles against the
+# one-shot's 40.7; 4 MiB 28.0 against 27.7; BENCHMARKS.md, fourth pass).
+FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 8 << 20))
 
 
 # Replay the NCCL path's schedules as CUDA graphs (`GpuEngine.prepare_schedule`).

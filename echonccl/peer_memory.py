@@ -36,7 +36,8 @@ LL_MAX_BYTES = 1 << 20            # inputs up to this size take the low-latency 
 LL_WORDS = LL_MAX_BYTES // 4
 LL_BLOCKS = 1024
 CHUNK = 256                       # threads (8 elements each) per chunk, as the kernels' blocks
-TILES = int(os.environ.get("ECHONCCL_FUSED_TILES") or 1024)   # tiles per slice, fused two-shot
+TILES = int(os.environ.get("ECHONCCL_FUSED_TILES") or 0)   # most tiles per slice (0: by size)
+SMALL_SLICE_CHUNKS = 4096         # up to this many chunks a slice (8 M elements), 512 tiles
 ONE_SHOT_TILE = 1024              # threads per tile of the (not low-latency) one-shot
 
 
@@ -46,8 +47,12 @@ def _align(n: int) -> int:
 
 def fused_tiles(slice_elems: int) -> int:
     """Tiles T of a slice in the fused two-shot: tile j is its chunks j, j + T, ...
-    (``ECHONCCL_FUSED_TILES`` sets the most, default 1024)."""
-    return max(1, min(-(-(slice_elems // 8) // CHUNK), TILES))
+    At most 512 tiles up to `SMALL_SLICE_CHUNKS` chunks, 1024 above (two H200s, fused two-shot:
+    512 tiles made 8-32 MiB 8-17% faster, 1024 made 128-512 MiB 3-12% faster; BENCHMARKS.md);
+    ``ECHONCCL_FUSED_TILES`` sets the most instead."""
+    chunks = -(-(slice_elems // 8) // CHUNK)
+    most = TILES or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
+    return max(1, min(chunks, most))
 
 
 def one_shot_tiles(elems: int) -> int:

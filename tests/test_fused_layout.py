@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from echonccl import fused, kernels_cuda
+from echonccl import fused, kernels_cuda, peer_memory
 from echonccl.errors import EchoncclError
-from echonccl.peer_memory import (ALIGN, CHUNK, LL_WORDS, TILES, PeerMemory, fused_tiles, one_shot_tiles,
+from echonccl.peer_memory import (ALIGN, CHUNK, LL_WORDS, PeerMemory, fused_tiles, one_shot_tiles,
                                   region_layout)
 
 
-@pytest.mark.parametrize("elems", [512, 2048, 512 * 1000, 1 << 28])
-def test_fused_tiles_cover_the_chunks(elems):
-    T = fused_tiles(elems)
+@pytest.mark.parametrize("elems,want", [(512, 1), (2048, 1), (512 * 1000, 250), (1 << 20, 512), (4 << 20, 512),
+                                        (8 << 20, 512), ((8 << 20) + 2048, 1024), (1 << 28, 1024)])
+def test_fused_tiles_cover_the_chunks(elems, want, monkeypatch):
+    """512 tiles at most up to 8 M elements a slice, 1024 above; never more tiles than chunks."""
+    monkeypatch.setattr(peer_memory, "TILES", 0)
     chunks = -(-(elems // 8) // CHUNK)
-    assert 1 <= T <= min(chunks, TILES)
-    assert T == min(chunks, TILES)        # every tile holds at least one chunk
+    assert fused_tiles(elems) == want and 1 <= want <= chunks
+    monkeypatch.setattr(peer_memory, "TILES", 64)          # ECHONCCL_FUSED_TILES=64
+    assert fused_tiles(elems) == min(chunks, 64)
 
 
 def test_one_shot_tiles():
