@@ -196,9 +196,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                                                     Ctl* ctl, u64 timeout_ns) {
     __shared__ long long s_item;
     __shared__ int s_ok;
-    const CallStart call = begin_call(ctl, timeout_ns, &s_ok);
-    const unsigned int epoch = call.epoch;
-    const u64 s_deadline = call.deadline;
+    const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
     const i64 slice_bytes = (S >> 1) + 4 * (S / G);
     const i64 T_ = ntiles;
     const i64 n1 = (i64)(P - 1) * T_;
@@ -278,9 +276,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
                                               Ctl* ctl, u64 timeout_ns) {
     __shared__ long long s_item;
     __shared__ int s_ok;
-    const CallStart call = begin_call(ctl, timeout_ns, &s_ok);
-    const unsigned int epoch = call.epoch;
-    const u64 s_deadline = call.deadline;
+    const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
     const i64 nthr = (count + 7) >> 3;
     const i64 T_ = (nthr + tile_t - 1) / tile_t;
     const i64 slot_bytes = ((count * Traits<T>::kBytes + 255) / 256) * 256;
