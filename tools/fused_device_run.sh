@@ -117,8 +117,10 @@ if want exchange; then
 fi
 if want timeline; then
   # The NCCL path through host memory: CUPTI kernel timelines of two_shot and two_shot_pipelined
-  # (wheels/: cupti-python and nvidia-cuda-cupti, unzipped here), then the pipelined schedule
-  # with the codec kernels' grids capped (ECHONCCL_CODEC_MAX_BLOCKS; 0 = no cap).
+  # (wheels/: cupti-python and nvidia-cuda-cupti, unzipped here; fetch them where PyPI is reachable:
+  #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels \
+  #       --platform manylinux2014_x86_64 --platform manylinux_2_25_x86_64 cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85
+  # ), then the pipelined schedule with the codec kernels' grids capped (ECHONCCL_CODEC_MAX_BLOCKS; 0 = no cap).
   tl=/tmp/cupti-wheels; mkdir -p $tl
   for w in wheels/*.whl; do $PY -m zipfile -e "$w" $tl; done
   export PYTHONPATH=$PYTHONPATH:$tl LD_LIBRARY_PATH=$tl/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
