@@ -138,7 +138,7 @@ if want timeline; then
     (export NCCL_P2P_DISABLE=1 ECHONCCL_CODEC_MAX_BLOCKS=$cap
      step "cap_$cap" 200 $MPI -x NCCL_P2P_DISABLE -x ECHONCCL_CODEC_MAX_BLOCKS $PY -m echonccl.perf.all_reduce \
          ${CAP_ARGS:--b 64M -e 1G -f 4 -n 10 -w 5 -c 0 --algo two_shot,two_shot_pipelined} --quiet) || status=1
-    grep -E "^ +[0-9]" "$OUT/cap_$cap.log" | awk -v n="cap=$cap" '{printf "%-9s %s\n", n, $0}' | cut -c1-170
+    grep -E "^ +[0-9]" "$OUT/cap_$cap.log" | awk -v n="cap=$cap" '{printf "%-9s %s\n", n, $0}'   # every algorithm's columns
   done
 fi
 exit $status
