@@ -3,9 +3,14 @@
 against the device-to-device copy bandwidth measured in the same run.
 
     python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32]
+                                 [--block 1024 --max-blocks 124]
 
 Each kernel is timed for each codec (default both: the rotated int4-h32 against int4),
-so the rotation's cost shows as the ratio of their bandwidths.
+so the rotation's cost shows as the ratio of their bandwidths. ``--block`` launches blocks of
+that many threads, one per SM (the kernels must be built for it: ``ECHONCCL_FATBIN`` from
+``nvcc -fatbin -DECHO_BLOCK=1024 -DECHO_RQ_MIN_BLOCKS=1 -DECHO_RQ_MIN_BLOCKS_H32_F32=1``);
+``--max-blocks`` caps every grid (``CudaKernels(max_blocks=)``): with 1024-thread blocks, the
+SMs the codec may use (BENCHMARKS.md, fifth pass).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import argparse
 import cupy as cp
 import numpy as np
 
-from echonccl import dtypes
+from echonccl import dtypes, kernels_cuda
 from echonccl.kernels_cuda import CudaKernels
 from echonccl.layout import Layout
 
@@ -39,8 +44,12 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e6  # TB/s
 
 
-def bench(elems: int, iters: int, group: int, codec_name: str = "int4"):
-    k = CudaKernels()
+def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0, max_blocks: int = 0):
+    if block:
+        kernels_cuda.BLOCK = block
+        k = CudaKernels(blocks_per_sm=1, dq_blocks_per_sm=1, max_blocks=max_blocks)
+    else:
+        k = CudaKernels(max_blocks=max_blocks)
     rows = []
     L = Layout(elems, 1, group, codec=codec_name)
     S, B = L.slice_elems, L.slice_bytes
@@ -74,12 +83,15 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=["int4", "int4-h32"])
+    p.add_argument("--block", type=int, default=0, help="threads per block, one block per SM (0: as shipped)")
+    p.add_argument("--max-blocks", type=int, default=0, help="cap on every grid (0: none)")
     a = p.parse_args()
     copy = copy_bandwidth(1 << 30, a.iters)
     print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements, G={a.group}")
     print("| kernel | MB moved | time (us) | TB/s | % of copy |")
     print("|---|---:|---:|---:|---:|")
-    for name, moved, t in (r for c in a.codecs for r in bench(a.elems, a.iters, a.group, c)):
+    for name, moved, t in (r for c in a.codecs
+                           for r in bench(a.elems, a.iters, a.group, c, a.block, a.max_blocks)):
         bw = moved / t / 1e6
         print(f"| {name} | {moved / 1e6:.1f} | {t:.1f} | {bw:.2f} | {100 * bw / copy:.0f}% |")
 
