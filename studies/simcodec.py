@@ -73,7 +73,8 @@ class Quantizer:
 
     ``scale``: ``fp32`` (absmax / 7), ``e8m0`` (a power of two >= absmax / 7: 8-bit
     exponent-only), ``m3`` (absmax / 7 rounded up to 3 mantissa bits: an 8-bit float
-    scale, e4m3-like, exponent range assumed covered by a per-slice scale),
+    scale, e4m3-like, exponent range assumed covered by a per-slice scale), ``m7`` (rounded up
+    to 7 mantissa bits: a 16-bit scale, bfloat16-like, rounded up so that no code clips),
     ``implicit`` (round 2+: the previous round's scale / ``implicit_div``, no scale bits; the
     residual it codes is at most half the previous step).
     ``mse``: pick the clipping ratio minimizing the group's squared error.
@@ -88,7 +89,7 @@ class Quantizer:
 
     def bits(self) -> float:
         code = int(np.ceil(np.log2(2 * self.levels + 1)))
-        return code + {"fp32": 32, "e8m0": 8, "m3": 8, "implicit": 0}[self.scale] / self.group
+        return code + {"fp32": 32, "e8m0": 8, "m3": 8, "m7": 16, "implicit": 0}[self.scale] / self.group
 
     def _scale(self, amax):
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -96,9 +97,10 @@ class Quantizer:
             if self.scale == "e8m0":
                 e = np.ceil(np.log2(np.where(s > 0, s, 1)))
                 s = np.where(s > 0, np.exp2(e), 0).astype(_F32)
-            elif self.scale == "m3":
+            elif self.scale in ("m3", "m7"):
+                k = 16 if self.scale == "m3" else 256      # 3 or 7 mantissa bits after the leading one
                 m, e = np.frexp(s)                         # s = m 2^e, m in [0.5, 1)
-                s = (np.ceil(m * 16) / 16 * np.exp2(e)).astype(_F32)
+                s = (np.ceil(m * k) / k * np.exp2(e)).astype(_F32)
         return np.maximum(s, _F32(0)).astype(_F32)
 
     def qdq(self, v: np.ndarray, prev_scale=None):
