@@ -44,12 +44,15 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e6  # TB/s
 
 
-def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0, max_blocks: int = 0):
+def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0,
+          max_blocks: int | None = None):
+    """Rows (name, bytes moved, us). ``block``: threads per block, one block per SM (sets
+    `kernels_cuda.BLOCK` for this process); ``max_blocks`` None: ``ECHONCCL_CODEC_MAX_BLOCKS``."""
+    one_per_sm = {}
     if block:
         kernels_cuda.BLOCK = block
-        k = CudaKernels(blocks_per_sm=1, dq_blocks_per_sm=1, max_blocks=max_blocks)
-    else:
-        k = CudaKernels(max_blocks=max_blocks)
+        one_per_sm = dict(blocks_per_sm=1, dq_blocks_per_sm=1)
+    k = CudaKernels(max_blocks=max_blocks, **one_per_sm)
     rows = []
     L = Layout(elems, 1, group, codec=codec_name)
     S, B = L.slice_elems, L.slice_bytes
@@ -84,7 +87,8 @@ def main():
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=["int4", "int4-h32"])
     p.add_argument("--block", type=int, default=0, help="threads per block, one block per SM (0: as shipped)")
-    p.add_argument("--max-blocks", type=int, default=0, help="cap on every grid (0: none)")
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="cap on every grid (default: ECHONCCL_CODEC_MAX_BLOCKS, else none)")
     a = p.parse_args()
     copy = copy_bandwidth(1 << 30, a.iters)
     print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements, G={a.group}")
