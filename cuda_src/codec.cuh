@@ -87,7 +87,7 @@ __device__ __forceinline__ float rcp_rn(float a) {
     asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
     return r;
 }
-__device__ __forceinline__ float i2f(int q) { return (float)q; }  // exact for |q| <= 8
+__device__ __forceinline__ float i2f(int q) { return (float)q; }  // exact for |q| < 2^24
 
 __device__ __forceinline__ u32 fbits(float x) { return __float_as_uint(x); }
 __device__ __forceinline__ float bitsf(u32 b) { return __uint_as_float(b); }
@@ -96,15 +96,11 @@ __device__ __forceinline__ bool is_finite(float x) { return abs_bits(x) < 0x7f80
 
 // The NaN numpy writes for a non-finite group's scale: float32(np.nan).
 constexpr u32 kScaleNaN = 0x7fc00000u;
-constexpr float kSeven = 7.0f;
 // x + 1.5*2^23 rounds x to an integer, ties to even, for |x| < 2^22: the float
 // add does rint on the full-rate FP pipe (no conversion instruction), the low
 // bits of the sum's encoding are the integer in two's complement, and
 // subtracting the constant back gives rint(x) as a float, exactly.
 constexpr float kMagic = 12582912.0f;  // 0x4b400000
-// |y - rint(y)| above this: y may be too close to a half-integer for the
-// reciprocal shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5).
-constexpr float kNearTie = 0.5f - 1.0f / 65536.0f;
 
 // ------------------------------------------------------------ element types
 // Storage-only 16-bit types (same layout as __half / __nv_bfloat16).
@@ -417,10 +413,85 @@ __device__ __forceinline__ void decode8(u32 w, float (&q)[8]) {
     q[4] = code_in_half<0>(hi); q[5] = code_in_half<1>(hi); q[6] = code_in_half<2>(hi); q[7] = code_in_half<3>(hi);
 }
 
+// ------------------------------------------------------------- the codecs
+// kCodec (codec.CODECS): int4, int4-h32 (rotated), int7-h32 (rotated; 7-bit codes in three
+// sections, a bfloat16 scale per 16 elements: codec.py, "int7-h32").
+constexpr int kInt4 = 0, kInt4H32 = 1, kInt7H32 = 2;
+
+template <int G, int kCodec>
+struct Wire {
+    static constexpr bool kRot = kCodec != kInt4;
+    static constexpr bool k7 = kCodec == kInt7H32;
+    static_assert(k7 ? G == 16 : (G == 32 || G == 64 || G == 128), "group size of the codec");
+    static constexpr int kLanes = G / 8;                // lanes per group
+    static constexpr int kLevels = k7 ? 63 : 7;
+    // |y - rint(y)| above this: y may be too close to a half-integer for the reciprocal
+    // shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5, < 2^-16 for |y| <= 63.5).
+    static constexpr float kNearTie = k7 ? 0.5f - 1.0f / 16384.0f : 0.5f - 1.0f / 65536.0f;
+    __device__ static __forceinline__ i64 codes_bytes(i64 S) { return k7 ? S - (S >> 3) : S >> 1; }
+    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + 4 * (S / G); }
+};
+
+// A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = bits 4-5 of each code
+// (two bits per element, bits 0-15) | bit 6 (one per element, bits 16-23).
+struct Codes8 { u32 lo, hi; };
+
+// int7-h32's 8 codes as floats, exactly: u = q + 63 assembled from its three parts, OR-ed
+// into the mantissa of 2^23, and 2^23 + 63 subtracted.
+__device__ __forceinline__ void decode8_7(const Codes8& c, float (&q)[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const u32 u = ((c.lo >> (4 * k)) & 0xfu) | (((c.hi >> (2 * k)) & 3u) << 4) | (((c.hi >> (16 + k)) & 1u) << 6);
+        q[k] = sub_rn(bitsf(0x4b000000u | u), 8388671.0f);
+    }
+}
+template <int kCodec>
+__device__ __forceinline__ void decode_codes(const Codes8& c, float (&q)[8]) {
+    if constexpr (kCodec == kInt7H32) decode8_7(c, q);
+    else decode8(c.lo, q);
+}
+
+// Pack 8 codes (code[i] holds q in two's complement in its low bits, or q + 1.5 * 2^23 as
+// float bits: the same low bits) in the codec's format.
+template <int kCodec>
+__device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
+    Codes8 c{0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if constexpr (kCodec == kInt7H32) {
+            const u32 u = (code[i] + 63u) & 0x7fu;
+            c.lo |= (u & 0xfu) << (4 * i);
+            c.hi |= ((u >> 4) & 3u) << (2 * i);
+            c.hi |= (u >> 6) << (16 + i);
+        } else {
+            c.lo |= (code[i] & 0xfu) << (4 * i);
+        }
+    }
+    return c;
+}
+
+// Store thread t (of group grp) 's packed codes, and (the group's first lane) its scale, into
+// slice sl of S elements whose scales start at byte codes_bytes.
+template <int G, int kCodec>
+__device__ __forceinline__ void st_codes(unsigned char* sl, i64 codes_bytes, i64 t, i64 grp, i64 S,
+                                         const Codes8& c, float scale) {
+    using W = Wire<G, kCodec>;
+    reinterpret_cast<u32*>(sl)[t] = c.lo;
+    if constexpr (W::k7) {
+        reinterpret_cast<u16*>(sl + (S >> 1))[t] = (u16)(c.hi & 0xffffu);
+        sl[(S >> 1) + (S >> 2) + t] = (unsigned char)(c.hi >> 16);
+    }
+    if ((t & (W::kLanes - 1)) == 0) {
+        if constexpr (W::k7) reinterpret_cast<u16*>(sl + codes_bytes)[grp] = (u16)(fbits(scale) >> 16);
+        else reinterpret_cast<float*>(sl + codes_bytes)[grp] = scale;
+    }
+}
+
 // acc[i] += fl(q_i * scale): the decoded value of one incoming slice.
-__device__ __forceinline__ void add_decoded(float (&acc)[8], u32 w, float scale) {
+template <int kCodec>
+__device__ __forceinline__ void add_decoded(float (&acc)[8], const Codes8& w, float scale) {
     float q[8];
-    decode8(w, q);
+    decode_codes<kCodec>(w, q);
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], mul_rn(q[i], scale));
 }
@@ -519,9 +590,9 @@ constexpr int kInBatch = ECHO_IN_BATCH;
 // -------------------------------------------------------------- the kernels
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
 // `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
-// `base` (may be null; only read with a residual) has base_n. kRot: the rotated
-// codec int4-h32 (own rotated before the sum; the owner's ref measured in the
-// values' domain and rotated back when it is rounded or has a base).
+// `base` (may be null; only read with a residual) has base_n. kCodec: the codec (`Wire`);
+// rotated ones rotate own before the sum and measure the owner's ref in the values'
+// domain, rotated back, when it is rounded or has a base.
 // Loads of wire bytes: read-only cache path, or L2 only (kPeer: written by another GPU
 // during this kernel, which the non-coherent L1/texture path may not see).
 template <bool kPeer>
@@ -534,6 +605,52 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
     if constexpr (kPeer) return __ldcg(reinterpret_cast<const float*>(p));
     else return __ldg(reinterpret_cast<const float*>(p));
 }
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u16(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const unsigned short*>(p));
+    else return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u8(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const unsigned char*>(p));
+    else return __ldg(reinterpret_cast<const unsigned char*>(p));
+}
+
+// Thread t's codes in slice sl.
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t, i64 S) {
+    Codes8 c;
+    c.lo = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
+    c.hi = 0u;
+    if constexpr (Wire<G, kCodec>::k7)
+        c.hi = ld_wire_u16<kPeer>(sl + (S >> 1) + 2 * t) | (ld_wire_u8<kPeer>(sl + (S >> 1) + (S >> 2) + t) << 16);
+    return c;
+}
+// From a slice's scales sc, for thread t of group grp: the int4 codecs' group scale (float32
+// bits); int7-h32's two bfloat16 scales of the rotation block (t / 4) as one word, the lower
+// group's in bits 0-15.
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ u32 ld_scale_bits(const unsigned char* sc, i64 t, i64 grp) {
+    if constexpr (Wire<G, kCodec>::k7) return ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sc) + (t >> 2));
+    else return fbits(ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sc) + grp));
+}
+// Thread t's scale as a float, from ld_scale_bits.
+template <int G, int kCodec>
+__device__ __forceinline__ float scale_of(u32 bits, i64 t) {
+    if constexpr (Wire<G, kCodec>::k7) return bitsf((t & 2) ? (bits & 0xffff0000u) : (bits << 16));
+    else return bitsf(bits);
+}
+// The NaN of thread t's NaN/Inf unit as float32 bits, or 0 when none of its scales is NaN:
+// the group's scale (int4 codecs), the first NaN of the block's two (int7-h32).
+template <int G, int kCodec>
+__device__ __forceinline__ u32 unit_nan(u32 bits, i64 t) {
+    if constexpr (Wire<G, kCodec>::k7) {
+        const u32 lo = bits << 16, hi = bits & 0xffff0000u;
+        return (lo & 0x7fffffffu) > 0x7f800000u ? lo : (hi & 0x7fffffffu) > 0x7f800000u ? hi : 0u;
+    } else {
+        return (bits & 0x7fffffffu) > 0x7f800000u ? bits : 0u;
+    }
+}
 
 // The threads [t_first, t_end) of a slice (one thread = 8 elements = one code word),
 // walked with `stride`: a standalone kernel passes its grid-stride range over all S / 8
@@ -542,7 +659,7 @@ __device__ __forceinline__ float ld_wire_f32(const void* p) {
 // kernel's peers), as they are made.
 // kBatch: incoming slices loaded together (the fused kernel passes ECHO_FUSED_IN_BATCH = 1:
 // fewer registers and spills, faster with two ranks; the standalone kernels use kInBatch).
-template <typename InT, typename ResT, typename RefT, int G, bool kRot = false, bool kPeer = false,
+template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
           bool kOut = false, int kBatch = kInBatch>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
@@ -553,11 +670,12 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                                                      unsigned char* const* copies = nullptr, int ncopies = 0,
                                                      i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
                                                      i64 out_n = 0) {
-    static_assert(G == 32 || G == 64 || G == 128, "group size");
-    constexpr int kLanes = G / 8;  // lanes per group
+    using W = Wire<G, kCodec>;
+    constexpr bool kRot = W::kRot;
+    constexpr int kLanes = W::kLanes;
     const i64 nthreads = t_end;
-    const i64 slice_bytes = (S >> 1) + 4 * (S / G);
-    const i64 codes_bytes = S >> 1;
+    const i64 slice_bytes = W::slice_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
     const bool own_vec = aligned16(own);
     const bool res_vec = residual != nullptr && aligned16(residual);
     const int nin = (int)n_in, opos = (int)own_pos;
@@ -567,14 +685,14 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
     i64 t = t_first;
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
-    u32 in_w_next = 0u;
+    Codes8 in_w_next{0u, 0u};
     float in_sc_next = 0.0f;
     if (ECHO_PREFETCH && t < nthreads) {
         own_next = load_raw8<InT, true>(own, t << 3, own_n, own_vec);
         if (residual != nullptr) res_next = res_load<ResT>(residual, t, S, res_vec);
         if (kPfIn && nin > 0) {
-            in_w_next = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(incoming) + t);
-            in_sc_next = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(incoming + codes_bytes) + t / kLanes);
+            in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t, S);
+            in_sc_next = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes), t);
         }
     }
     for (; t < nthreads; t += stride) {
@@ -583,7 +701,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 
         Raw8<InT> own_r;
         ResRaw<ResT> res_r;
-        const u32 in_w = in_w_next;
+        const Codes8 in_w = in_w_next;
         const float in_sc = in_sc_next;
         if (ECHO_PREFETCH) {
             own_r = own_next;
@@ -592,9 +710,10 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 own_next = load_raw8<InT, true>(own, e0 + (stride << 3), own_n, own_vec);
                 if (residual != nullptr) res_next = res_load<ResT>(residual, t + stride, S, res_vec);
                 if (kPfIn && nin > 0) {
-                    in_w_next = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(incoming) + t + stride);
-                    in_sc_next = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(incoming + codes_bytes) +
-                                                    (t + stride) / kLanes);
+                    in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t + stride, S);
+                    in_sc_next = scale_of<G, kCodec>(
+                        ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t + stride, (t + stride) / kLanes),
+                        t + stride);
                 }
             }
         } else {
@@ -612,7 +731,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = -0.0f;
         for (int b0 = 0; b0 < nin; b0 += kBatch) {
-            u32 w[kBatch];
+            Codes8 w[kBatch];
             float sc[kBatch];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
@@ -621,15 +740,15 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                     sc[u] = in_sc;
                 } else if (b0 + u < nin) {
                     const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
-                    w[u] = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
-                    sc[u] = ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sl + codes_bytes) + grp);
+                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
+                    sc[u] = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, grp), t);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 if (b0 + u < nin) {
                     if (b0 + u == opos) add_terms(acc, own_v);
-                    add_decoded(acc, w[u], sc[u]);
+                    add_decoded<kCodec>(acc, w[u], sc[u]);
                 }
             }
         }
@@ -647,28 +766,30 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         for (int off = 1; off < kLanes; off <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
         const bool finite = amax < 0x7f800000u;
 
-        // q_i = clip(rint(fl(v_i / scale)), -7, 7) as a float (qf) and as the low
-        // nibble of code[i]; q = 0 for scale == 0 and for a non-finite group.
+        // q_i = clip(rint(fl(v_i / scale)), -L, L) (L = 7, int7-h32: 63) as a float (qf) and in
+        // the low bits of code[i]; q = 0 for scale == 0 and for a non-finite group.
         float scale = bitsf(kScaleNaN);
         float qf[8];
         u32 code[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) { qf[i] = 0.0f; code[i] = 0u; }
         if (finite) {
-            scale = div_rn(bitsf(amax), kSeven);
-            // scale = max(amax / 7, 2^-149) for amax > 0: tiny subnormal groups must not collapse.
-            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(0x00000001u);
+            scale = div_rn(bitsf(amax), (float)W::kLevels);
+            if constexpr (W::k7) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
+            // scale = max(amax / L, 2^-149) (int7-h32: max(trunc_bf16(amax / L), 2^-133)) for
+            // amax > 0: tiny subnormal groups must not collapse.
+            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::k7 ? 0x00010000u : 0x00000001u);
             if (fbits(scale) >= 0x00800000u) {
-                // Normal scale: |v / scale| <= 7 * (1 + 2^-23), so no clipping. y = fl(v * fl(1/scale))
-                // is within 2^-19 of the exact quotient; unless y is within 2^-16 of a
-                // half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
+                // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
+                // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
+                // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
                 const float r = rcp_rn(scale);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const float y = mul_rn(acc[i], r);
                     float m = add_rn(y, kMagic);
                     float q = sub_rn(m, kMagic);
-                    if (abs_bits(sub_rn(y, q)) > fbits(kNearTie)) {
+                    if (abs_bits(sub_rn(y, q)) > fbits(W::kNearTie)) {
                         m = add_rn(div_rn(acc[i], scale), kMagic);
                         q = sub_rn(m, kMagic);
                     }
@@ -676,25 +797,18 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                     code[i] = fbits(m);
                 }
             } else if (fbits(scale) != 0u) {
-                // Subnormal scale (|v| < 7 * 2^-126): the quotient can exceed 7.5; divide and clip.
+                // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    const int q = min(7, max(-7, rint_s32(div_rn(acc[i], scale))));
+                    const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[i], scale))));
                     qf[i] = i2f(q);
                     code[i] = (u32)q;
                 }
             }
         }
-        u32 word = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) word |= (code[i] & 0xfu) << (4 * i);
-        reinterpret_cast<u32*>(wire_out)[t] = word;
-        if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(wire_out + codes_bytes)[grp] = scale;
-        for (int c = 0; c < ncopies; ++c) {
-            unsigned char* dst = copies[c] + copy_off;
-            reinterpret_cast<u32*>(dst)[t] = word;
-            if ((t & (kLanes - 1)) == 0) reinterpret_cast<float*>(dst + codes_bytes)[grp] = scale;
-        }
+        const Codes8 packed = pack_codes<kCodec>(code);
+        st_codes<G, kCodec>(wire_out, codes_bytes, t, grp, S, packed, scale);
+        for (int c = 0; c < ncopies; ++c) st_codes<G, kCodec>(copies[c] + copy_off, codes_bytes, t, grp, S, packed, scale);
 
         if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
             // The decoded values fl(q * scale), in the values' domain where the output or the
@@ -720,10 +834,16 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 for (int i = 0; i < 8; ++i) o[i] = e[i];
                 if (kRot && !ref_in_values) rot_inverse8(o, lb);
                 const bool vec = aligned16(out_p);
-                if (!finite) {
+                // The NaN/Inf unit: the group, or (int7-h32) the rotation block of two groups.
+                bool unit_finite = finite;
+                if constexpr (W::k7) {   // every lane shuffles (no short-circuit before it)
+                    const int partner = __shfl_xor_sync(0xffffffffu, (int)finite, 2);
+                    unit_finite = finite && partner != 0;
+                }
+                if (!unit_finite) {
                     RefT nan[8];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(fbits(scale));
+                    for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(W::k7 ? kScaleNaN : fbits(scale));
                     store8<RefT>(out_p, e0, out_n, vec, nan);
                 } else if (base != nullptr) {
                     RefT w[8];
@@ -762,21 +882,20 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 // dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).
 // kAcc (accumulate): out = round(float(out) + decoded) instead, except that an
 // out element that is NaN keeps its bits (a non-finite group's NaN, whatever
-// its payload) and a NaN-scale group writes its NaN as without kAcc.
+// its payload) and a NaN-scale unit (group; int7-h32: block) writes its NaN as without kAcc.
 // Threads [t_first, t_end) of the slice, walked with `stride` (see reduce_quantize_body).
-// kRot (int4-h32): the decoded block is rotated back before the output; every
+// Rotated codecs: the decoded block is rotated back before the output; every
 // lane of a warp then runs (the thread count is rounded up to whole warps, the
 // stores still stop at count) and rotates before the NaN-scale branch.
-template <typename OutT, int G, bool kAcc, bool kRot = false, bool kPeer = false>
+template <typename OutT, int G, bool kAcc, int kCodec = kInt4, bool kPeer = false>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
-    static_assert(G == 32 || G == 64 || G == 128, "group size");
-    constexpr int kLanes = G / 8;
-    const i64 slice_bytes = (S >> 1) + 4 * (S / G);
-    const unsigned char* sl = wire + slice * slice_bytes;
-    const u32* codes = reinterpret_cast<const u32*>(sl);
-    const float* scales = reinterpret_cast<const float*>(sl + (S >> 1));
+    using W = Wire<G, kCodec>;
+    constexpr bool kRot = W::kRot;
+    constexpr int kLanes = W::kLanes;
+    const unsigned char* sl = wire + slice * W::slice_bytes(S);
+    const unsigned char* scales = sl + W::codes_bytes(S);
     const i64 base = slice * S;
     i64 nthreads = S >> 3;
     if (count - base < S) nthreads = (count - base + 7) >> 3;
@@ -786,38 +905,40 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
 
     constexpr int kU = Traits<OutT>::kBytes == 2 ? ECHO_DQ_UNROLL16 : ECHO_DQ_UNROLL32;
     for (i64 t0 = t_first; t0 < nthreads; t0 += kU * stride) {
-        u32 w[kU];
-        float scale[kU];
+        Codes8 w[kU];
+        u32 sbits[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const i64 t = t0 + u * stride;
             if (u == 0 || t < nthreads) {
-                w[u] = ld_wire_u32<kPeer>(codes + t);
-                scale[u] = ld_wire_f32<kPeer>(scales + t / kLanes);
+                w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
+                sbits[u] = ld_scale_bits<G, kCodec, kPeer>(scales, t, t / kLanes);
             }
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const i64 t = t0 + u * stride;
             if (u > 0 && t >= nthreads) break;
+            const float scale = scale_of<G, kCodec>(sbits[u], t);
             float v[8];
             if constexpr (kRot) {   // all lanes: decode and rotate back before any data-dependent branch
-                decode8(w[u], v);
+                decode_codes<kCodec>(w[u], v);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale);
                 rot_inverse8(v, (int)(t & (kRotLanes - 1)));
             }
-            if (abs_bits(scale[u]) > 0x7f800000u) {  // NaN scale: a non-finite group, numpy's NaN bits
+            const u32 nan_bits = unit_nan<G, kCodec>(sbits[u], t);
+            if (nan_bits != 0u) {  // a NaN scale: a non-finite unit, numpy's NaN bits
                 OutT o[8];
-                const OutT nan = Traits<OutT>::nan_of_scale(fbits(scale[u]));
+                const OutT nan = Traits<OutT>::nan_of_scale(nan_bits);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) o[i] = nan;
                 store8<OutT>(out, base + (t << 3), count, vec, o);
             } else {
                 if constexpr (!kRot) {
-                    decode8(w[u], v);
+                    decode_codes<kCodec>(w[u], v);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale[u]);
+                    for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale);
                 }
                 if constexpr (kAcc) {
                     // Plain (coherent) loads: this kernel writes `out`.

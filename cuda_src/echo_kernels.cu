@@ -15,11 +15,12 @@
 //   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
 //   echo_dequantize_acc_<out>_g<G>(...same...)      out += decoded (see dequantize_body)
 //       grid.y = number of slices to decode (ceil(count / S))
-//   and the same three with the suffix _h32: the rotated codec int4-h32 (kRot).
+//   and the same three with the suffix _h32: the rotated codec int4-h32; and for G = 16
+//   only, with the suffix _i7h32: the 8-bit codec int7-h32.
 //
 // with <in>, <out> in {f16, bf16, f32}; <res> in {f32, <in>, i8} (i8: the 8-bit block
 // residual format, a byte pointer); <ref> in {f32, <in>}; G in
-// {32, 64, 128}. echonccl/kernels_cuda.py builds the same names
+// {32, 64, 128} (16 for int7-h32). echonccl/kernels_cuda.py builds the same names
 // (`entry_points()`), and tests/test_cuda_compile.py checks the two agree.
 #include "codec.cuh"
 
@@ -47,40 +48,54 @@
 #ifndef ECHO_RQ_MIN_BLOCKS_H32_F32
 #define ECHO_RQ_MIN_BLOCKS_H32_F32 3
 #endif
-#define ECHO_RQ_MINB_false_f16 ECHO_RQ_MIN_BLOCKS
-#define ECHO_RQ_MINB_false_bf16 ECHO_RQ_MIN_BLOCKS
-#define ECHO_RQ_MINB_false_f32 ECHO_RQ_MIN_BLOCKS
-#define ECHO_RQ_MINB_true_f16 ECHO_RQ_MIN_BLOCKS
-#define ECHO_RQ_MINB_true_bf16 ECHO_RQ_MIN_BLOCKS
-#define ECHO_RQ_MINB_true_f32 ECHO_RQ_MIN_BLOCKS_H32_F32
+// int7-h32 (three code sections, two scales a block) needs up to 80 registers: 3 blocks per SM.
+#ifndef ECHO_RQ_MIN_BLOCKS_I7
+#define ECHO_RQ_MIN_BLOCKS_I7 3
+#endif
+// By codec (echo::kInt4, kInt4H32, kInt7H32 = 0, 1, 2) and input type.
+#define ECHO_RQ_MINB_0_f16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_0_bf16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_0_f32 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_1_f16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_1_bf16 ECHO_RQ_MIN_BLOCKS
+#define ECHO_RQ_MINB_1_f32 ECHO_RQ_MIN_BLOCKS_H32_F32
+#define ECHO_RQ_MINB_2_f16 ECHO_RQ_MIN_BLOCKS_I7
+#define ECHO_RQ_MINB_2_bf16 ECHO_RQ_MIN_BLOCKS_I7
+#define ECHO_RQ_MINB_2_f32 ECHO_RQ_MIN_BLOCKS_I7
 
-#define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, ROT)                                                   \
-    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB_##ROT##_##IN)                               \
+#define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, CODEC)                                                 \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB_##CODEC##_##IN)                             \
         NAME(const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                           \
              const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                    \
              unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
              long long base_n) {                                                                                      \
-        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, ROT>(                                           \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC>(                                         \
             incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
             (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }
 #define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \
-    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G, IN, RES, REF, G, false)    \
-    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_h32, IN, RES, REF, G,     \
-                                   true)
+    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G, IN, RES, REF, G, 0)        \
+    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_h32, IN, RES, REF, G, 1)
+#define ECHO_DEFINE_REDUCE_QUANTIZE_I7(IN, RES, REF, G)                                                              \
+    ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_i7h32, IN, RES, REF, G, 2)
 
-#define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC, ROT)                                                             \
+#define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC, CODEC)                                                           \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
         NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
-        echo::dequantize_body<echo::OUT, G, ACC, ROT>(wire, out, count, S, blockIdx.y,                                \
+        echo::dequantize_body<echo::OUT, G, ACC, CODEC>(wire, out, count, S, blockIdx.y,                              \
                                                       (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,       \
                                                       (long long)gridDim.x * blockDim.x);                             \
     }
 #define ECHO_DEFINE_DEQUANTIZE(OUT, G)                                                                                \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false, false)                                    \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G, OUT, G, true, false)                                 \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G##_h32, OUT, G, false, true)                               \
-    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G##_h32, OUT, G, true, true)
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G, OUT, G, false, 0)                                        \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G, OUT, G, true, 0)                                     \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G##_h32, OUT, G, false, 1)                                  \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G##_h32, OUT, G, true, 1)
+#define ECHO_DEFINE_DEQUANTIZE_I7(OUT, G)                                                                             \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G##_i7h32, OUT, G, false, 2)                                \
+    ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G##_i7h32, OUT, G, true, 2)
 
 ECHO_FOR_EACH_GROUP(ECHO_RQ_COMBOS, ECHO_DEFINE_REDUCE_QUANTIZE)
 ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE)
+ECHO_RQ_COMBOS(ECHO_DEFINE_REDUCE_QUANTIZE_I7, 16)
+ECHO_DQ_COMBOS(ECHO_DEFINE_DEQUANTIZE_I7, 16)

@@ -157,30 +157,30 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 #define ECHO_PHASE __noinline__
 #endif
 // Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256.
-template <typename T, typename ResT, int G, bool kRot>
+template <typename T, typename ResT, int G, int kCodec>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
-    reduce_quantize_body<T, ResT, float, G, kRot, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S,
+    reduce_quantize_body<T, ResT, float, G, kCodec, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S,
                                                                    (const float*)nullptr, 0, j * kChunk + threadIdx.x,
                                                                    S >> 3, ntiles * kChunk);
 }
-template <typename T, typename ResT, int G, bool kRot>
+template <typename T, typename ResT, int G, int kCodec>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
-    reduce_quantize_body<T, ResT, T, G, kRot, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH>(
+    reduce_quantize_body<T, ResT, T, G, kCodec, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH>(
         incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
         ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
 }
-template <typename T, int G, bool kRot>
+template <typename T, int G, int kCodec>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
     if (accumulate)
-        dequantize_body<T, G, true, kRot, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
+        dequantize_body<T, G, true, kCodec, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
                                                 ntiles * kChunk);
     else
-        dequantize_body<T, G, false, kRot, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
+        dequantize_body<T, G, false, kCodec, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
                                                  ntiles * kChunk);
 }
 
@@ -188,7 +188,7 @@ __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 c
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
 // at most the slice's chunks and max_tiles (flags per slot).
-template <typename T, typename ResT, int G, bool kRot>
+template <typename T, typename ResT, int G, int kCodec>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -197,7 +197,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
     __shared__ long long s_item;
     __shared__ int s_ok;
     const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
-    const i64 slice_bytes = (S >> 1) + 4 * (S / G);
+    const i64 slice_bytes = Wire<G, kCodec>::slice_bytes(S);
     const i64 T_ = ntiles;
     const i64 n1 = (i64)(P - 1) * T_;
     unsigned char* my_recv = table->recv[rank];
@@ -215,7 +215,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G, kRot>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
+            phase_contribute<T, ResT, G, kCodec>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
                                          table->recv[s] + slot * slice_bytes, S, j, T_);
             __syncthreads();
             if (threadIdx.x == 0) {
@@ -238,7 +238,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, G, kRot>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
+            phase_reduce<T, ResT, G, kCodec>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
                                      S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
                                      P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
                                      bhi - blo);
@@ -260,7 +260,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, G, kRot>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, G, kCodec>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
     end_call(ctl, epoch);
@@ -442,19 +442,21 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 // echo_fused_two_shot_<T>_res<R>_g<G>(const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out,
 //     i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table,
 //     Ctl* ctl, i64 timeout_ns)
-#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, ROT)                                                                     \
+#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, CODEC)                                                                   \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, ROT>(x, x_n, out, count, res_in, res_out, S, (int)rank,        \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC>(x, x_n, out, count, res_in, res_out, S, (int)rank,      \
                                                             (int)P, ntiles, max_tiles, (int)accumulate, table, ctl,   \
                                                             (echo::u64)timeout_ns);                                   \
     }
-// Both codecs: int4, and int4-h32 (suffix _h32), as echo_kernels.cu names them.
+// The codecs as echo_kernels.cu names them: int4, int4-h32 (suffix _h32), and for G = 16
+// int7-h32 (suffix _i7h32).
 #define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \
-    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G, T, R, G, false)                                     \
-    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, T, R, G, true)
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G, T, R, G, 0)                                         \
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, T, R, G, 1)
+#define ECHO_DEFINE_FUSED_I7(T, R, G) ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_i7h32, T, R, G, 2)
 // echo_one_shot_<T>(const T* x, T* out, i64 count, i64 rank, i64 P, i64 tile_t, i64 max_tiles,
 //     const PeerTable* table, Ctl* ctl, i64 timeout_ns)
 #define ECHO_DEFINE_ONE_SHOT(T)                                                                                       \
@@ -482,6 +484,7 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 32)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 64)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 128)
+ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED_I7, 16)
 ECHO_DEFINE_ONE_SHOT(f16)
 ECHO_DEFINE_ONE_SHOT(bf16)
 ECHO_DEFINE_ONE_SHOT(f32)

@@ -46,10 +46,11 @@ Inf always reach the output of their group as non-finite, never as a finite
 number. ``fl(7 * fl(amax / 7))`` never exceeds the largest float32, so finite
 inputs up to any dtype's maximum decode finite.
 
-Codecs: ``int4`` and ``int4-h32`` (rotated)
---------------------------------------------
-``CODECS`` names the two codecs; both use the byte layout and the group
-encoding above. ``int4`` encodes the values themselves. ``int4-h32`` runs the
+Codecs: ``int4``, ``int4-h32`` (rotated) and ``int7-h32`` (rotated, 8 bits)
+------------------------------------------------------------------------------
+``CODECS`` names the three codecs; ``int4`` and ``int4-h32`` use the byte layout
+and the group encoding above (5 bits an element at G = 32); ``int7-h32`` is the
+8-bit accuracy mode described at the end of this section. ``int4`` encodes the values themselves. ``int4-h32`` runs the
 whole all-reduce in a rotated domain: every block of ``ROT_BLOCK`` = 32
 consecutive elements of a slice (blocks aligned with the groups, so a group of
 G >= 32 holds G/32 whole blocks) is multiplied by a fixed sign-randomized
@@ -85,7 +86,35 @@ without a base, ``ref = fl(q * scale)`` (the rotated decoded value, as with
 ``int4``); otherwise ``ref = forward(o)`` with ``o = round(inverse(fl(q * scale)))``
 (or ``round(base + inverse(...)) - base``), what the output really holds,
 rounded to the output dtype, rotated. Feedback states of one codec are not
-valid for the other (`feedback.Feedback` records the codec).
+valid for another (`feedback.Feedback` records the codec).
+
+``int7-h32``: 7-bit codes, a 16-bit scale per 16 elements, the same rotation (the
+accuracy mode: exactly 8 bits an element). Groups are ``G = 16`` (`group_sizes`), so a
+rotation block holds two groups. A slice of ``S`` elements is ``S`` bytes::
+
+    [ low nibbles: S/2 ][ bits 4-5: S/4 ][ bit 6: S/8 ][ scales: S/16 bfloat16, little-endian ]
+
+Element ``i`` has the 7-bit offset code ``u = q + 63`` in ``[0, 126]``: its bits 0-3 in
+nibble ``i`` of the first section (packed as ``int4``'s codes), bits 4-5 at bits
+``2 (i % 4)`` of byte ``i // 4`` of the second, bit 6 at bit ``i % 8`` of byte ``i // 8``
+of the third. Encoding a group is ``int4``'s with 63 for 7 and a scale truncated to a
+bfloat16 (the float32 exponent range, so no group underflows or overflows)::
+
+    scale = 0                                          if amax == 0
+          = max(trunc_bf16(fl(amax / 63)), 2**-133)    otherwise
+    q     = clip(rint(v / scale), -63, 63)
+    trunc_bf16(s) = the float32 with bits bits(s) & 0xFFFF0000
+
+Truncating keeps ``|q * scale| <= amax`` (up to float32's rounding of ``amax / 63``), so a
+finite input decodes finite, and ``|v / scale| < 63.5`` for a normal scale, so no code is
+clipped there; 2**-133 is bfloat16's smallest subnormal.
+
+and a non-finite group writes the bfloat16 NaN 0x7FC0 (float32 0x7FC00000) and ``q = 0``.
+Its NaN/Inf unit is the rotation block: a NaN or Inf in a block makes both of its
+groups non-finite, and decoding writes, to all 32 elements of a block where either
+group's scale is NaN, the first such scale's NaN (quieted, then rounded to the output
+as for ``int4``). 16 sequences of SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2%
+of the unsplit model's perplexity and 98.1-98.7% top-1 agreement (ACCURACY.md).
 
 Residuals (error feedback)
 --------------------------
@@ -118,15 +147,18 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128)       # the 4-bit codecs' group sizes
 DEFAULT_GROUP_SIZE = 32
-CODECS = ("int4", "int4-h32")
+CODECS = ("int4", "int4-h32", "int7-h32")
 DEFAULT_CODEC = "int4-h32"
 ROT_BLOCK = 32
 ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512
 QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
+_GROUPS = {"int4": GROUP_SIZES, "int4-h32": GROUP_SIZES, "int7-h32": (16,)}
+_LEVELS = {"int4": QMAX, "int4-h32": QMAX, "int7-h32": 63}
+_BF16_SCALE = np.dtype("<u2")     # int7-h32's scales: the high half of a float32
 RESIDUAL_FORMATS = ("float32", "input", "int8")
 RES_BLOCK = 32              # elements per exponent byte of the int8 residual format
 RES_SUPER = 512             # elements per (mantissas, exponents) record of it
@@ -137,21 +169,46 @@ _SEVEN = np.float32(QMAX)
 _MIN_SCALE = np.float32(2.0 ** -149)
 
 
-def check_group_size(group: int) -> int:
-    if group not in GROUP_SIZES:
-        raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group!r}")
-    return int(group)
-
-
 def check_codec(codec: str) -> str:
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     return codec
 
 
+def group_sizes(codec: str = "int4") -> tuple[int, ...]:
+    """The group sizes ``codec`` takes: 32, 64, 128 for the 4-bit codecs, 16 for ``int7-h32``."""
+    return _GROUPS[check_codec(codec)]
+
+
+def default_group(codec: str) -> int:
+    return DEFAULT_GROUP_SIZE if DEFAULT_GROUP_SIZE in group_sizes(codec) else group_sizes(codec)[0]
+
+
+def check_group_size(group: int, codec: str = "int4") -> int:
+    if group not in group_sizes(codec):
+        raise ValueError(f"group size must be one of {group_sizes(codec)} for codec {codec!r}, got {group!r}")
+    return int(group)
+
+
+def codec_groups() -> list[tuple[str, int]]:
+    """Every valid (codec, group size) pair."""
+    return [(c, g) for c in CODECS for g in _GROUPS[c]]
+
+
 def rotated(codec: str) -> bool:
     """Whether ``codec`` runs in the rotated (Hadamard) domain."""
-    return check_codec(codec) == "int4-h32"
+    return check_codec(codec) != "int4"
+
+
+def wide(codec: str) -> bool:
+    """Whether ``codec`` is ``int7-h32`` (7-bit codes, bfloat16 scales)."""
+    return check_codec(codec) == "int7-h32"
+
+
+def unit_size(codec: str, group: int) -> int:
+    """Elements that share one fate under NaN/Inf and one scale's error bound: the group, or
+    ``int7-h32``'s rotation block of two groups."""
+    return ROT_BLOCK if wide(codec) else group
 
 
 _ROT_NEG = np.array([(ROT_SIGNS >> i) & 1 for i in range(ROT_BLOCK)], dtype=bool)
@@ -197,24 +254,39 @@ def residual_values(r: np.ndarray, codec: str) -> np.ndarray:
     return (u * np.where(_ROT_NEG, -1.0, 1.0)).reshape(r.shape)
 
 
-def slice_bytes(slice_elems: int, group: int) -> int:
+def slice_bytes(slice_elems: int, group: int, codec: str = "int4") -> int:
     """Bytes of one slice of ``slice_elems`` elements on the wire."""
     if slice_elems % SLICE_QUANTUM:
         raise ValueError(f"slice of {slice_elems} elements is not a multiple of {SLICE_QUANTUM}")
+    if wide(codec):
+        return slice_elems                     # 7 bits of code + 16 bits of scale per 16
     return slice_elems // 2 + SCALE_DTYPE.itemsize * (slice_elems // group)
 
 
-def quantize_groups(v: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+_MIN_BF16_SCALE = np.uint32(0x00010000)    # 2**-133
+
+
+def _trunc_bf16(s: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """Non-negative float32 ``s`` truncated to a bfloat16, at least 2**-133 where ``positive``."""
+    b = s.astype(_F32).view(np.uint32) & np.uint32(0xFFFF0000)
+    return np.where((b == 0) & positive, _MIN_BF16_SCALE, b).astype(np.uint32).view(_F32)
+
+
+def quantize_groups(v: np.ndarray, group: int, codec: str = "int4") -> tuple[np.ndarray, np.ndarray]:
     """Quantize float32 ``v`` (length a multiple of ``group``) to int8 codes and float32 scales."""
+    levels = _F32(_LEVELS[check_codec(codec)])
     g = v.reshape(-1, group)
     finite = np.isfinite(g).all(axis=1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         amax = np.abs(np.where(finite[:, None], g, _F32(0))).max(axis=1)
-        scale = np.where(amax > 0, np.maximum(amax / _SEVEN, _MIN_SCALE), _F32(0)).astype(_F32)
+        if wide(codec):
+            scale = _trunc_bf16((amax / levels).astype(_F32), amax > 0)
+        else:
+            scale = np.where(amax > 0, np.maximum(amax / levels, _MIN_SCALE), _F32(0)).astype(_F32)
         nonzero = scale != 0
         safe = np.where(nonzero, scale, _F32(1))[:, None]
         q = np.rint(np.where(finite[:, None], g, _F32(0)) / safe)
-    q = np.clip(q, -QMAX, QMAX)
+    q = np.clip(q, -levels, levels)
     q[~(nonzero & finite)] = 0
     scale = np.where(finite, scale, _F32(np.nan)).astype(_F32)
     return q.astype(np.int8).reshape(-1), scale
@@ -226,38 +298,95 @@ def dequantize_groups(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarra
         return (q.reshape(-1, group).astype(_F32) * scale[:, None]).reshape(-1)
 
 
-def pack_codes(q: np.ndarray) -> np.ndarray:
-    """int8 codes (even length) -> uint8 bytes, element 2i in the low nibble of byte i."""
-    u = q.astype(np.uint8) & 0x0F
+def _pack_nibbles(u: np.ndarray) -> np.ndarray:
+    u = u.astype(np.uint8) & 0x0F
     return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
 
 
-def unpack_codes(b: np.ndarray) -> np.ndarray:
-    """uint8 bytes -> int8 codes (two per byte), the inverse of `pack_codes`."""
-    lo = (b & 0x0F).astype(np.int8)
-    hi = (b >> 4).astype(np.int8)
-    q = np.empty(b.size * 2, dtype=np.int8)
-    q[0::2] = lo
-    q[1::2] = hi
-    return np.where(q > 7, q - 16, q).astype(np.int8)
+def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    u = np.empty(b.size * 2, dtype=np.uint8)
+    u[0::2] = b & 0x0F
+    u[1::2] = b >> 4
+    return u
 
 
-def encode(v: np.ndarray, group: int) -> np.ndarray:
+def pack_codes(q: np.ndarray, codec: str = "int4") -> np.ndarray:
+    """int8 codes (a multiple of 8 of them) -> the slice's code bytes: int4 nibbles (element
+    2i in the low nibble of byte i), or int7-h32's three sections."""
+    if not wide(codec):
+        return _pack_nibbles(q)
+    u = (q.astype(np.int16) + 63).astype(np.uint8)
+    mid = ((u >> 4) & 3).reshape(-1, 4)
+    mid = mid[:, 0] | (mid[:, 1] << 2) | (mid[:, 2] << 4) | (mid[:, 3] << 6)
+    top = np.packbits((u >> 6) & 1, bitorder="little")
+    return np.concatenate([_pack_nibbles(u), mid.astype(np.uint8), top])
+
+
+def unpack_codes(b: np.ndarray, codec: str = "int4") -> np.ndarray:
+    """The slice's code bytes -> int8 codes, the inverse of `pack_codes`."""
+    if not wide(codec):
+        q = _unpack_nibbles(b).astype(np.int8)
+        return np.where(q > 7, q - 16, q).astype(np.int8)
+    n = b.size * 8 // 7
+    u = _unpack_nibbles(b[: n // 2])
+    mid = b[n // 2: n // 2 + n // 4]
+    u |= ((mid[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(-1) << 4
+    u |= np.unpackbits(b[n // 2 + n // 4:], bitorder="little") << 6
+    return (u.astype(np.int16) - 63).astype(np.int8)
+
+
+def codes_bytes(slice_elems: int, codec: str = "int4") -> int:
+    """Bytes of a slice's code sections (the scales follow)."""
+    return slice_elems * 7 // 8 if wide(codec) else slice_elems // 2
+
+
+def write_wire(wire: np.ndarray, q: np.ndarray, scale: np.ndarray, codec: str = "int4") -> None:
+    """Store one slice's codes ``q`` and float32 scales into its wire bytes ``wire``."""
+    n = codes_bytes(q.size, codec)
+    wire[:n] = pack_codes(q, codec)
+    if wide(codec):
+        wire[n:] = (scale.astype(_F32).view(np.uint32) >> 16).astype(_BF16_SCALE).view(np.uint8)
+    else:
+        wire[n:] = scale.astype(SCALE_DTYPE).view(np.uint8)
+
+
+def read_wire(wire: np.ndarray, slice_elems: int, group: int,
+              codec: str = "int4") -> tuple[np.ndarray, np.ndarray]:
+    """The consecutive whole slices of ``wire`` -> (int8 codes, float32 scales), in order."""
+    S, B = slice_elems, slice_bytes(slice_elems, group, codec)
+    n = wire.size // B
+    w = wire[: n * B].reshape(n, B)
+    nc = codes_bytes(S, codec)
+    q = np.concatenate([unpack_codes(np.ascontiguousarray(row[:nc]), codec) for row in w]) if n else \
+        np.zeros(0, np.int8)
+    sc = np.ascontiguousarray(w[:, nc:]).reshape(-1)
+    if wide(codec):
+        return q, (sc.view(_BF16_SCALE).astype(np.uint32) << 16).view(_F32)
+    return q, sc.view(SCALE_DTYPE).astype(_F32)
+
+
+def encode(v: np.ndarray, group: int, codec: str = "int4") -> np.ndarray:
     """One slice of float32 values -> its wire bytes (codes, then scales)."""
-    q, scale = quantize_groups(np.ascontiguousarray(v, dtype=_F32), group)
-    return np.concatenate([pack_codes(q), scale.astype(SCALE_DTYPE).view(np.uint8)])
+    q, scale = quantize_groups(np.ascontiguousarray(v, dtype=_F32), group, codec)
+    wire = np.empty(slice_bytes(q.size, group, codec), np.uint8)
+    write_wire(wire, q, scale, codec)
+    return wire
 
 
-def split_wire(wire: np.ndarray, slice_elems: int) -> tuple[np.ndarray, np.ndarray]:
-    """Views of a slice's wire bytes: (packed codes uint8, scales float32)."""
-    ncode = slice_elems // 2
-    return wire[:ncode], wire[ncode:].view(SCALE_DTYPE)
-
-
-def decode(wire: np.ndarray, slice_elems: int, group: int) -> np.ndarray:
+def decode(wire: np.ndarray, slice_elems: int, group: int, codec: str = "int4") -> np.ndarray:
     """One slice's wire bytes -> float32 values ``fl(q * scale)``."""
-    codes, scale = split_wire(wire, slice_elems)
-    return dequantize_groups(unpack_codes(codes), scale, group)
+    q, scale = read_wire(wire, slice_elems, group, codec)
+    return dequantize_groups(q, scale, group)
+
+
+def nan_units(scale: np.ndarray, group: int, codec: str = "int4") -> tuple[np.ndarray, np.ndarray]:
+    """Per element of the groups of ``scale``: whether its NaN/Inf unit (the group, or for
+    ``int7-h32`` the rotation block) has a NaN scale, and that unit's first NaN scale."""
+    unit = unit_size(codec, group)
+    s = scale.reshape(-1, unit // group)
+    bad = np.isnan(s)
+    first = s[np.arange(s.shape[0]), bad.argmax(axis=1)]
+    return np.repeat(bad.any(axis=1), unit), np.repeat(first, unit)
 
 
 def residual_of(v: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:

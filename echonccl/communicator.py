@@ -142,7 +142,8 @@ class Communicator:
     ``cache_bytes`` bounds the workspaces and default feedback states kept for sizes not
     in use (README "Memory"). ``codec``: ``"int4-h32"`` (default: each 32-element block
     rotated by a signed Hadamard transform before quantizing, about 3x less perplexity loss
-    on a real model at the same bytes) or ``"int4"`` (`codec`). Options may be overridden by
+    on a real model at the same bytes), ``"int4"``, or ``"int7-h32"`` (the 8-bit accuracy
+mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). Options may be overridden by
     ``ECHONCCL_*`` variables (`config`). Call `close` when done.
     """
 

@@ -4,8 +4,8 @@
 |---------------------------|------------------------------------------------------|---------|
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
 | ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl, one_shot or auto | auto |
-| ECHONCCL_GROUP_SIZE       | 32, 64 or 128 elements per scale                     | 32      |
-| ECHONCCL_CODEC            | int4-h32 (rotated) or int4 (`codec`)                 | int4-h32 |
+| ECHONCCL_GROUP_SIZE       | elements per scale: 32, 64, 128 (int7-h32: 16)       | 32 (16) |
+| ECHONCCL_CODEC            | int4-h32 (rotated), int4, or int7-h32 (8 bits; `codec`) | int4-h32 |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |
@@ -43,7 +43,7 @@ DEFAULT_CACHE_BYTES = 1 << 30
 class Config:
     engine: str = "auto"
     algorithm: str = "auto"
-    group_size: int = codec.DEFAULT_GROUP_SIZE
+    group_size: int | None = None         # None: the codec's default (`codec.default_group`)
     codec: str = codec.DEFAULT_CODEC
     crossover_bytes: int | None = None
     timeout: float = 300.0
@@ -55,8 +55,9 @@ class Config:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        codec.check_group_size(self.group_size)
-        codec.check_codec(self.codec)
+        if self.group_size is None:
+            self.group_size = codec.default_group(self.codec)
+        codec.check_group_size(self.group_size, self.codec)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         check_rounds(self.rounds)

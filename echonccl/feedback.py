@@ -141,14 +141,14 @@ class Feedback:
             self.residual_dtype, self.enabled = residual_dtype, enabled
             self.key, self.residuals, self.codec = None, None, None
             return
-        if codec not in ("int4", "int4-h32"):
+        if codec not in wire.CODECS:
             raise EchoncclError(f"bad feedback state: codec {codec!r}")
         if self.key is not None and self.codec is not None and self.codec != codec:
             raise EchoncclError(f"feedback state of codec {codec!r} cannot load into a state bound "
                                 f"to codec {self.codec!r}")
         try:
             dt = wire.residual_dtype(residual_dtype, dtypes.numpy_dtype(key[3]))
-            layout = Layout(key[0], key[1], key[2])
+            layout = Layout(key[0], key[1], key[2], codec=codec)
         except (TypeError, ValueError) as exc:
             raise EchoncclError(f"bad feedback state: key {key!r}: {exc}") from None
         inputs = _as_dtype(_entry(d, "inputs"), dt, wire.residual_size(layout.padded, dt), "inputs")

@@ -68,9 +68,10 @@ _FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("f16", "i8"), ("bf16", "f32"),
 
 def entry_points() -> list[str]:
     """Every kernel ``fused_kernels.cu`` defines."""
-    from .codec import CODECS, GROUP_SIZES
+    from .codec import codec_groups
 
-    names = [fused_name(t, r, g, c) for g in GROUP_SIZES for t, r in _FUSED_COMBOS for c in CODECS]
+    groups = sorted({g for _, g in codec_groups()})
+    names = [fused_name(t, r, g, c) for g in groups for t, r in _FUSED_COMBOS for c, cg in codec_groups() if cg == g]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 

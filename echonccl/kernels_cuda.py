@@ -61,7 +61,7 @@ _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
 
 
 # --------------------------------------------------------------------------- names
-_CODEC_SUFFIX = {"int4": "", "int4-h32": "_h32"}
+_CODEC_SUFFIX = {"int4": "", "int4-h32": "_h32", "int7-h32": "_i7h32"}
 
 
 def codec_suffix(codec_name: str) -> str:
@@ -80,11 +80,12 @@ def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name
 def entry_points() -> list[str]:
     """Every kernel name ``echo_kernels.cu`` defines (the same list, built the same way)."""
     names = []
-    for g in codec.GROUP_SIZES:
+    for g in sorted({g for _, g in codec.codec_groups()}):
+        cs = [c for c, cg in codec.codec_groups() if cg == g]
         for i, r, f in _RQ_COMBOS:
-            names += [reduce_quantize_name(i, r, f, g, c) for c in codec.CODECS]
+            names += [reduce_quantize_name(i, r, f, g, c) for c in cs]
         for o in _DQ_TYPES:
-            names += [dequantize_name(o, g, acc, c) for acc in (False, True) for c in codec.CODECS]
+            names += [dequantize_name(o, g, acc, c) for acc in (False, True) for c in cs]
     return names
 
 
@@ -287,16 +288,15 @@ class CudaKernels:
             if r not in ("f32", i, "i8") or f not in ("f32", i):
                 raise TypeError(f"reduce_quantize: residual {res_dt} must be float32, the input dtype {in_dt} "
                                 f"or uint8 (the int8 block format), ref {ref_dt} float32 or {in_dt}")
-        k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group),
-                                                codec.check_codec(codec_name)))
+        k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group, codec_name), codec_name))
         self._rq[key] = k
         return k
 
     def _dq_kernel(self, key):
         out_dt, group, accumulate, codec_name = key
         t = _short(out_dt)
-        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group), accumulate,
-                                            codec.check_codec(codec_name))), _DQ_UNROLL[t])
+        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group, codec_name), accumulate, codec_name)),
+             _DQ_UNROLL[t])
         self._dq[key] = k
         return k
 

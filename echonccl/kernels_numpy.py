@@ -25,10 +25,10 @@ class NumpyKernels:
 
     def reduce_quantize(self, layout: Layout, incoming, own_pos: int, own: np.ndarray,
                         residual, wire_out: np.ndarray, ref_dtype, base=None) -> None:
-        S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
-        rot = codec.rotated(layout.codec)
+        S, G, B, cd = layout.slice_elems, layout.group, layout.slice_bytes, layout.codec
+        rot = codec.rotated(cd)
         n_in = 0 if incoming is None else incoming.size // B
-        terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G) for i in range(n_in)]
+        terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G, cd) for i in range(n_in)]
         mine = _padded_f32(own, S)
         terms.insert(own_pos, codec.rotate(mine) if rot else mine)
         acc = terms[0].copy()
@@ -37,10 +37,8 @@ class NumpyKernels:
                 acc += t
             if residual is not None:
                 acc += codec.load_residuals(residual)
-        q, scale = codec.quantize_groups(acc, G)
-        codes, scales = codec.split_wire(wire_out, S)
-        codes[:] = codec.pack_codes(q)
-        scales[:] = scale
+        q, scale = codec.quantize_groups(acc, G, cd)
+        codec.write_wire(wire_out, q, scale, cd)
         if residual is not None:
             ref = codec.dequantize_groups(q, scale, G)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -56,15 +54,13 @@ class NumpyKernels:
             residual[:] = codec.residual_of(acc, ref, residual.dtype)
 
     def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        S, G, B = layout.slice_elems, layout.group, layout.slice_bytes
-        n = wire.size // B
-        w = wire[: n * B].reshape(n, B)
-        q = codec.unpack_codes(np.ascontiguousarray(w[:, : S // 2]).reshape(-1))
-        scale = np.ascontiguousarray(w[:, S // 2:]).view(codec.SCALE_DTYPE).reshape(-1)
+        S, G, cd = layout.slice_elems, layout.group, layout.codec
+        q, scale = codec.read_wire(wire, S, G, cd)
         values = codec.dequantize_groups(q, scale, G)
-        nan_group = np.repeat(np.isnan(scale), G)
-        if codec.rotated(layout.codec):              # a NaN-scale group keeps the scale's NaN bits
-            values = np.where(nan_group, values, codec.unrotate(values))
+        nan_group, nan = codec.nan_units(scale, G, cd)
+        if codec.rotated(cd):                        # a NaN-scale unit keeps the scale's NaN bits
+            with np.errstate(invalid="ignore"):
+                values = np.where(nan_group, nan * _F32.type(1), codec.unrotate(values))
         values, nan_group = values[: out.size], nan_group[: out.size]
         with np.errstate(over="ignore", invalid="ignore"):   # beyond the output dtype's range: +-Inf, by design
             if not accumulate:

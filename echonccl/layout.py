@@ -28,8 +28,7 @@ class Layout:
     def __post_init__(self):
         if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % codec.SLICE_QUANTUM:
             raise ValueError(f"bad layout: count={self.count} nranks={self.nranks} quantum={self.quantum}")
-        codec.check_group_size(self.group)
-        codec.check_codec(self.codec)
+        codec.check_group_size(self.group, self.codec)
 
     @cached_property
     def slice_elems(self) -> int:
@@ -39,7 +38,7 @@ class Layout:
 
     @cached_property
     def slice_bytes(self) -> int:
-        return codec.slice_bytes(self.slice_elems, self.group)
+        return codec.slice_bytes(self.slice_elems, self.group, self.codec)
 
     @property
     def padded(self) -> int:

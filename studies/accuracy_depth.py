@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the terms handed to echonccl")
-    p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
+    p.add_argument("--codec", choices=["int4", "int4-h32", "int7-h32"], default=None,
                    help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
     p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
                    help="format of the feedback residuals (default input: --dtype, the library's default)")

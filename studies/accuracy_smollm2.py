@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--text", choices=["lee", "wiki"], default="lee",
                    help="lee: the Lee news corpus; wiki: English Wikipedia lead sections (both read out of "
                         "the gensim distribution and cached; studies/corpus.py)")
-    p.add_argument("--codec", choices=["int4", "int4-h32"], default=None,
+    p.add_argument("--codec", choices=["int4", "int4-h32", "int7-h32"], default=None,
                    help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
     p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
                    help="format of the feedback residuals (default input: the --dtype handed to echonccl, "

@@ -77,12 +77,16 @@ def test_rotation_beats_int4_on_outliers_and_stays_within_its_bound():
     v[rng.integers(0, v.size, 200)] *= 30                   # outliers, one per few groups
     errs = {}
     for name in codec.CODECS:
-        _, out = _round_trip(v, Layout(v.size, 1, 32, codec=name))
+        _, out = _round_trip(v, Layout(v.size, 1, codec.default_group(name), codec=name))
         errs[name] = float(np.linalg.norm(out - v) / np.linalg.norm(v))
     assert errs[H32] < 0.6 * errs["int4"], errs
+    assert errs["int7-h32"] < errs[H32] / 8, errs            # 63 levels against 7
     amax = np.repeat(np.abs(v.reshape(-1, 32)).max(axis=1), 32)
     _, out = _round_trip(v, Layout(v.size, 1, 32, codec=H32))
     assert np.all(np.abs(out - v) <= 32 * amax / 14 * (1 + 2.0 ** -10))
+    # int7-h32: half a step of a scale no larger than amax / 63, 32 of them per element
+    _, out = _round_trip(v, Layout(v.size, 1, 16, codec="int7-h32"))
+    assert np.all(np.abs(out - v) <= 32 * amax / 126 * (1 + 2.0 ** -10))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])

@@ -43,8 +43,11 @@ def _ptx(src, *flags):
 @pytest.mark.nvcc
 def test_entry_points_match_the_list(checked):
     assert sorted(checked["entries"]) == sorted(kc.entry_points())
-    # reduce_quantize 14 (in, res, ref) x 3 groups; dequantize 3 x 3 x 2; each for the 2 codecs
-    assert len(kc.entry_points()) == 2 * (42 + 18)
+    # reduce_quantize 14 (in, res, ref) x 3 groups; dequantize 3 x 3 x 2; each for the 2 int4
+    # codecs; int7-h32: one group (16) of each
+    assert len(kc.entry_points()) == 2 * (42 + 18) + (14 + 6)
+    assert "echo_reduce_quantize_bf16_resbf16_refbf16_g16_i7h32" in checked["entries"]
+    assert "echo_dequantize_acc_f32_g16_i7h32" in checked["entries"]
     assert "echo_reduce_quantize_bf16_resf32_refbf16_g32" in checked["entries"]
     assert "echo_reduce_quantize_bf16_resf32_refbf16_g32_h32" in checked["entries"]
     assert "echo_dequantize_acc_f16_g64_h32" in checked["entries"]
@@ -57,10 +60,12 @@ def test_no_spills_and_registers(checked):
     assert set(checked["registers"]) == set(kc.entry_points()), checked["log"]
     assert all(v == 0 for v in checked["spills"].values()), checked["spills"]
     # __launch_bounds__(256) allows 255; stay well below for occupancy: 64 (4 blocks of 256 per
-    # SM), except the rotated float32-input reduce_quantize, built for 3 blocks per SM (80).
+    # SM), except the rotated float32-input reduce_quantize and every int7-h32 reduce_quantize,
+    # built for 3 blocks per SM (80).
     regs = checked["registers"]
-    wide = {n for n in regs if n.startswith("echo_reduce_quantize_f32_") and n.endswith("_h32")}
-    assert len(wide) == 6                  # float32 and int8 residuals, 3 group sizes
+    wide = {n for n in regs if n.startswith("echo_reduce_quantize_") and
+            (n.endswith("_i7h32") or (n.startswith("echo_reduce_quantize_f32_") and n.endswith("_h32")))}
+    assert len(wide) == 6 + 14             # f32: float32 and int8 residuals, 3 group sizes; int7-h32
     assert max(v for n, v in regs.items() if n not in wide) <= 64, regs
     assert max(regs[n] for n in wide) <= 80, regs
 

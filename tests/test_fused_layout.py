@@ -84,9 +84,11 @@ def test_no_growth_during_a_capture():
 
 def test_entry_point_names():
     names = fused.entry_points()
-    assert len(names) == len(set(names)) == 2 * 24 + 6          # 8 (input, residual) pairs x 3 groups x 2 codecs; one-shots
+    # 8 (input, residual) pairs x (3 groups x 2 int4 codecs + int7-h32's one group); one-shots
+    assert len(names) == len(set(names)) == 8 * 7 + 6
     assert fused.fused_name("bf16", "bf16", 32) in names
     assert fused.fused_name("bf16", "bf16", 32, "int4-h32") == "echo_fused_two_shot_bf16_resbf16_g32_h32"
+    assert fused.fused_name("bf16", "bf16", 16, "int7-h32") == "echo_fused_two_shot_bf16_resbf16_g16_i7h32" in names
     assert "echo_one_shot_ll_f32" in names
     src = kernels_cuda.module_source(fused.SOURCE)
     assert '#include "codec.cuh"' not in src and "reduce_quantize_body" in src   # the header inlined

@@ -6,8 +6,8 @@ included), own contributions full / partial / odd / empty / unaligned, the own
 term at every kind of position, residuals fed back over consecutive calls;
 then dequantize into every output dtype, full, partial and unaligned.
 Equality is on bytes: wire bytes, residual bits, output bits (NaNs included).
-Every test runs with both codecs (``int4`` and the rotated ``int4-h32``); for the
-rotated one the huge values stay within its documented range (2**124 here), beyond
+Every test runs with every codec (``int4``, the rotated ``int4-h32`` and the 8-bit
+``int7-h32``, each with its group sizes); for the rotated ones the huge values stay within its documented range (2**124 here), beyond
 which an overflow inside the inverse transform makes a NaN whose payload differs
 between numpy and CUDA.
 """
@@ -161,10 +161,9 @@ def ck():
     return CudaKernels()
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("res", ["none", "f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd", codec.CODECS)
+@pytest.mark.parametrize("cd,group", codec.codec_groups())
 def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng([ord(c) for c in dt + res] + [group])
@@ -185,10 +184,9 @@ def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
             run_both(ck, layout, incoming, own_pos, own, off, residual, ref_dtype, case)
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("res", ["f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd", codec.CODECS)
+@pytest.mark.parametrize("cd,group", codec.codec_groups())
 def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
     """The owner of a refinement round: ref = round(base + decoded) - base, base being its slice
     of the output so far (adversarial: NaN, Inf, the dtype's max, subnormals), full, partial,
@@ -214,7 +212,7 @@ def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_residual_feedback_over_calls(ck, dt, res, cd):
     """Consecutive calls, each fed the residual the previous one left (both engines' own)."""
-    dtype, group = DTYPES[dt], 32
+    dtype, group = DTYPES[dt], codec.default_group(cd)
     rng = np.random.default_rng(7)
     layout = Layout(S, 1, group, codec=cd)
     residual = make_residual(rng, dtype, res)
@@ -227,9 +225,8 @@ def test_residual_feedback_over_calls(ck, dt, res, cd):
                                f"{cd} {dt} res={res} step={step}")
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd", codec.CODECS)
+@pytest.mark.parametrize("cd,group", codec.codec_groups())
 def test_dequantize_matches_numpy(ck, dt, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng(group)
@@ -250,9 +247,8 @@ def test_dequantize_matches_numpy(ck, dt, group, cd):
         assert np.isnan(want.astype(np.float32)).any() or count < S, "the wire should carry NaN groups"
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd", codec.CODECS)
+@pytest.mark.parametrize("cd,group", codec.codec_groups())
 def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
     """out += decoded (rounds > 1): prior outputs with NaNs of several payloads, Inf, huge and
     subnormal values, against NaN-scale, zero and huge wire groups; full, partial, unaligned."""
@@ -285,7 +281,7 @@ def test_large_slice_grid_stride(cd, grid):
     ck1 = CudaKernels(**grid)
     rng = np.random.default_rng(3)
     big_s = 1 << 19
-    layout = Layout(big_s * 4, 4, 64, codec=cd)
+    layout = Layout(big_s * 4, 4, 16 if codec.wide(cd) else 64, codec=cd)
     assert layout.slice_elems == big_s
     B = layout.slice_bytes
     dtype = BF16
@@ -349,12 +345,14 @@ def test_argument_checks(ck):
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-def test_rotated_partial_last_slice_and_nan_groups(ck, dt):
-    """int4-h32 dequantize of a last slice cut inside a block (the warp-rounded thread count: lanes
-    past count still rotate, nothing is written past count), and NaN/Inf poisoning exactly their group."""
+@pytest.mark.parametrize("cd", ["int4-h32", "int7-h32"])
+def test_rotated_partial_last_slice_and_nan_groups(ck, dt, cd):
+    """Rotated dequantize of a last slice cut inside a block (the warp-rounded thread count: lanes
+    past count still rotate, nothing is written past count), and NaN/Inf poisoning exactly their
+    unit: the group of 32 (int4-h32), the block of two groups of 16 (int7-h32)."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng(11)
-    layout = Layout(2 * S, 2, 32, codec="int4-h32")
+    layout = Layout(2 * S, 2, codec.default_group(cd), codec=cd)
     B = layout.slice_bytes
     wire = np.zeros(2 * B, np.uint8)
     for i in range(2):
@@ -367,7 +365,7 @@ def test_rotated_partial_last_slice_and_nan_groups(ck, dt):
         big = to_dev(np.full(count + 40, 77, dtype))
         ck.dequantize(layout, to_dev(wire), big[:count])
         host = to_host(big)
-        assert_same_bits(host[:count], want, f"int4-h32 {dt} count={count}")
+        assert_same_bits(host[:count], want, f"{cd} {dt} count={count}")
         assert (host[count:] == dtype.type(77)).all(), "dequantize wrote past count"
         nan = np.isnan(want.astype(np.float32))
         assert nan[64:96].all() and nan.sum() == 32 + min(32, max(0, count - S - 128)), "NaN not exactly its group"

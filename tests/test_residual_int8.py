@@ -101,7 +101,7 @@ def test_reference_kernel_stores_the_format():
 
     rng = np.random.default_rng(5)
     for cd in codec.CODECS:
-        L = Layout(2048, 1, 32, codec=cd)
+        L = Layout(2048, 1, codec.default_group(cd), codec=cd)
         own = rng.standard_normal(L.slice_elems).astype(F32)
         r32 = (rng.standard_normal(L.slice_elems) * 0.01).astype(F32)
         r8 = codec.encode_residuals(r32)

@@ -2,7 +2,7 @@
 """Codec kernel bandwidth on one GPU: bytes each kernel moves (read + written) over its time,
 against the device-to-device copy bandwidth measured in the same run.
 
-    python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32]
+    python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32 int7-h32]
                                  [--block 1024 --max-blocks 124]
 
 Each kernel is timed for each codec (default both: the rotated int4-h32 against int4),
@@ -19,7 +19,7 @@ import argparse
 import cupy as cp
 import numpy as np
 
-from echonccl import dtypes, kernels_cuda
+from echonccl import codec, dtypes, kernels_cuda
 from echonccl.kernels_cuda import CudaKernels
 from echonccl.layout import Layout
 
@@ -54,6 +54,8 @@ def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: i
         one_per_sm = dict(blocks_per_sm=1, dq_blocks_per_sm=1)
     k = CudaKernels(max_blocks=max_blocks, **one_per_sm)
     rows = []
+    if group not in codec.group_sizes(codec_name):
+        group = codec.default_group(codec_name)
     L = Layout(elems, 1, group, codec=codec_name)
     S, B = L.slice_elems, L.slice_bytes
     for dt in ("bfloat16", "float16", "float32"):
@@ -84,8 +86,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--elems", type=lambda s: int(eval(s, {})), default=2 ** 26)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--group", type=int, default=32)
-    p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=["int4", "int4-h32"])
+    p.add_argument("--group", type=int, default=32, help="group size (a codec without it: its default)")
+    p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=codec.CODECS)
     p.add_argument("--block", type=int, default=0, help="threads per block, one block per SM (0: as shipped)")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="cap on every grid (default: ECHONCCL_CODEC_MAX_BLOCKS, else none)")

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     import echonccl
-    from echonccl import dtypes
+    from echonccl import codec, dtypes
 
     world = MPI.COMM_WORLD
     rank, P = world.Get_rank(), world.Get_size()
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     comm = echonccl.Communicator(world.Dup(), engine=args.engine, timeout=args.timeout,
                                  cache_bytes=args.cache_bytes)
     engine = comm.engine.name
-    G = comm.config.group_size
+    G = codec.unit_size(comm.config.codec, comm.config.group_size)   # one NaN's reach, one scale's bound
     if engine == "gpu":
         import cupy
 

@@ -238,7 +238,7 @@ def _run(collective: Collective, opts, mpi) -> int:
     from .. import Communicator
 
     _agree(mpi, _plot_problem(opts))
-    comm = Communicator(mpi, engine=opts.engine, group_size=opts.group_size)
+    comm = Communicator(mpi, engine=opts.engine, group_size=opts.group_size, codec=opts.codec)
     try:
         _agree(mpi, _engine_problem(opts, comm.engine))
         arrays = make_arrays(comm.engine)

@@ -16,7 +16,7 @@ import io
 import re
 
 from .. import dtypes
-from ..codec import GROUP_SIZES
+from ..codec import CODECS, codec_groups
 from ..config import ALGORITHMS
 from .check import MAX_RELERR
 
@@ -147,8 +147,10 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--residual", choices=("float32", "input", "int8"), default="input",
                    help="feedback residual format (default input: the data's dtype, echonccl's default; "
                    "float32; int8: 8-bit blocks)")
-    e.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
-                   help="elements per 4-bit scale (default: the communicator's)")
+    e.add_argument("--group-size", type=int, choices=sorted({g for _, g in codec_groups()}), default=None,
+                   help="elements per scale (default: the codec's)")
+    e.add_argument("--codec", choices=CODECS, default=None,
+                   help="wire codec (default: the communicator's, int4-h32 unless ECHONCCL_CODEC says)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
     e.add_argument("--rounds", type=_int_arg(1), default=1, metavar="R",
                    help="4-bit rounds per all-reduce (default 1; R > 1 also sends the residuals, "

@@ -65,6 +65,7 @@ def run_info(opts, collective: Collective, mpi, comm, arrays) -> dict:
         "baseline": getattr(engine, "baseline_name", "baseline"), "baseline_version": baseline_version(engine),
         "baseline_run": not opts.no_baseline, "mpi_version": mpi_library_version(),
         "cuda": arrays.cuda_version(), "dtype": opts.datatype, "group_size": comm.config.group_size,
+        "codec": comm.config.codec,
         "feedback": not opts.no_feedback, "residual": opts.residual, "rounds": opts.rounds,
         "algorithms": list(opts.algorithms),
         "max_relerr_bound": MAX_RELERR, "units": {"time_us": "us", "algbw": "GB/s", "busbw": "GB/s"},
@@ -86,7 +87,7 @@ def header_lines(info: dict) -> list:
         lines.append(f"# MPI      : {info['mpi_version']}")
     if info["cuda"]:
         lines.append(f"# CUDA     : {info['cuda']}")
-    lines += [f"# echonccl : {info['dtype']}, group size {info['group_size']}, feedback "
+    lines += [f"# echonccl : {info['dtype']}, codec {info.get('codec', 'int4')}, group size {info['group_size']}, feedback "
               f"{'on (' + info['residual'] + ' residuals)' if info['feedback'] else 'off'}, "
               f"rounds {info['rounds']}, algorithms {' '.join(info['algorithms'])}",
               f"# minBytes {o['minbytes']} maxBytes {o['maxbytes']} step: {step} warmup iters: "

@@ -34,7 +34,8 @@ def check_identical_and_bounded():
                 comm.all_reduce(yi, yi, feedback=False, algorithm=algo)
                 assert to_host(yi).tobytes() == y.tobytes(), f"{algo} {dt} n={n}: in-place differs"
                 assert_identical_across_ranks(y, f"{algo} {dt} n={n}")
-                bound = error_bound(exact, amax_sum(x, G), algo, P, dt, comm.config.codec)
+                bound = error_bound(exact, amax_sum(x, codec.unit_size(comm.config.codec, G)), algo, P, dt,
+                                    comm.config.codec)
                 err = np.abs(y.astype(np.float64) - exact)
                 worst = float(np.max(err / bound))
                 assert worst <= 1.0, f"{algo} {dt} n={n}: error {worst:.3f} of the bound"
@@ -65,7 +66,9 @@ def check_telescoping():
                 print(f"{algo} rounds={rounds}: telescoping gap {worst:.3g} (tolerance {tol:.3g}), "
                       f"residual {np.max(np.abs(residual)):.3g}")
             assert worst <= tol, f"{algo} rounds={rounds}: telescoping gap {worst:.3g} > {tol:.3g}"
-            assert np.max(np.abs(residual)) > 100 * tol, f"{algo}: residuals too small for the test to mean anything"
+            # (int7-h32's residuals are some 60 times smaller per round: two rounds leave ~8 tol)
+            guard = 4 if codec.wide(comm.config.codec) else 100
+            assert np.max(np.abs(residual)) > guard * tol, f"{algo}: residuals too small for the test to mean anything"
     comm.close()
 
 
@@ -153,10 +156,10 @@ def check_depth():
 
 
 def check_special_values():
-    """NaN/Inf reach their group's output as non-finite on every rank; other groups stay finite;
+    """NaN/Inf reach their group's (int7-h32: block's) output as non-finite on every rank; other groups stay finite;
     the feedback state stays finite; huge and tiny values survive."""
     comm = echonccl.Communicator(engine=ENGINE)
-    G = comm.config.group_size
+    G = codec.unit_size(comm.config.codec, comm.config.group_size)   # one NaN's reach: group or block
     for algo in ALGOS:
         for dt in ("float32", "bfloat16", "float16"):
             fb = comm.new_feedback()
