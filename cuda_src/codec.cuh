@@ -432,17 +432,31 @@ struct Wire {
     __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + 4 * (S / G); }
 };
 
-// A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = bits 4-5 of each code
-// (two bits per element, bits 0-15) | bit 6 (one per element, bits 16-23).
+// A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = the u16 of bits 4-5
+// (bits 0-15) | the byte of bit 6 (bits 16-23), even elements in the low half of each
+// (codec.py, "int7-h32").
 struct Codes8 { u32 lo, hi; };
 
-// int7-h32's 8 codes as floats, exactly: u = q + 63 assembled from its three parts, OR-ed
-// into the mantissa of 2^23, and 2^23 + 63 subtracted.
+// Bits 4-6 of the codes of elements 2j (odd: 2j + 1), j = 0..3, at bits 4-6 of byte j, from
+// the byte of their bits 4-5 (2 bits a field, field j at bit 2j) and the nibble of their bit 6
+// (bit j). Fields are spread to their bytes by multiplications whose shifted copies of the
+// field bits never overlap (no carries), then masked.
+__device__ __forceinline__ u32 spread_high3(u32 crumbs, u32 tops) {
+    const u32 a = (crumbs & 0x33u) * 0x00010010u;   // fields 0, 2 -> bits 4-5 of bytes 0, 2
+    const u32 b = (crumbs & 0xccu) * 0x00400400u;   // fields 1, 3 -> bits 4-5 of bytes 1, 3
+    const u32 t = (tops & 0xfu) * 0x08102040u;      // bit j -> bit 6 of byte j
+    return (a & 0x00300030u) | (b & 0x30003000u) | (t & 0x40404040u);
+}
+// int7-h32's 8 codes as floats, exactly: the offset codes u = q + 63 of the even and the odd
+// elements assembled bytewise, each byte moved into the mantissa of 2^23 (one prmt with the
+// constant 0x4b000000), and 2^23 + 63 subtracted.
 __device__ __forceinline__ void decode8_7(const Codes8& c, float (&q)[8]) {
+    const u32 ev = (c.lo & 0x0f0f0f0fu) | spread_high3(c.hi & 0xffu, c.hi >> 16);
+    const u32 od = ((c.lo >> 4) & 0x0f0f0f0fu) | spread_high3((c.hi >> 8) & 0xffu, c.hi >> 20);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const u32 u = ((c.lo >> (4 * k)) & 0xfu) | (((c.hi >> (2 * k)) & 3u) << 4) | (((c.hi >> (16 + k)) & 1u) << 6);
-        q[k] = sub_rn(bitsf(0x4b000000u | u), 8388671.0f);
+    for (int j = 0; j < 4; ++j) {
+        q[2 * j] = sub_rn(bitsf(__byte_perm(ev, 0x4b000000u, 0x7440u + j)), 8388671.0f);
+        q[2 * j + 1] = sub_rn(bitsf(__byte_perm(od, 0x4b000000u, 0x7440u + j)), 8388671.0f);
     }
 }
 template <int kCodec>
@@ -458,11 +472,12 @@ __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
     Codes8 c{0u, 0u};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        if constexpr (kCodec == kInt7H32) {
+        if constexpr (kCodec == kInt7H32) {   // element i = 2j + odd: see decode8_7
             const u32 u = (code[i] + 63u) & 0x7fu;
+            const int j = i >> 1, odd = i & 1;
             c.lo |= (u & 0xfu) << (4 * i);
-            c.hi |= ((u >> 4) & 3u) << (2 * i);
-            c.hi |= (u >> 6) << (16 + i);
+            c.hi |= ((u >> 4) & 3u) << (2 * j + 8 * odd);
+            c.hi |= (u >> 6) << (16 + j + 4 * odd);
         } else {
             c.lo |= (code[i] & 0xfu) << (4 * i);
         }

@@ -95,9 +95,11 @@ rotation block holds two groups. A slice of ``S`` elements is ``S`` bytes::
     [ low nibbles: S/2 ][ bits 4-5: S/4 ][ bit 6: S/8 ][ scales: S/16 bfloat16, little-endian ]
 
 Element ``i`` has the 7-bit offset code ``u = q + 63`` in ``[0, 126]``: its bits 0-3 in
-nibble ``i`` of the first section (packed as ``int4``'s codes), bits 4-5 at bits
-``2 (i % 4)`` of byte ``i // 4`` of the second, bit 6 at bit ``i % 8`` of byte ``i // 8``
-of the third. Encoding a group is ``int4``'s with 63 for 7 and a scale truncated to a
+nibble ``i`` of the first section (packed as ``int4``'s codes); with ``k = i % 8``,
+``j = k // 2`` and ``odd = k % 2``, its bits 4-5 at bits ``2 j`` of byte ``2 (i // 8) + odd``
+of the second, and its bit 6 at bit ``j + 4 odd`` of byte ``i // 8`` of the third (per 8
+elements: the even ones' high bits in the low byte / nibble, so that a decoder can spread
+them into four bytes at once). Encoding a group is ``int4``'s with 63 for 7 and a scale truncated to a
 bfloat16 (the float32 exponent range, so no group underflows or overflows)::
 
     scale = 0                                          if amax == 0
@@ -316,10 +318,11 @@ def pack_codes(q: np.ndarray, codec: str = "int4") -> np.ndarray:
     if not wide(codec):
         return _pack_nibbles(q)
     u = (q.astype(np.int16) + 63).astype(np.uint8)
-    mid = ((u >> 4) & 3).reshape(-1, 4)
-    mid = mid[:, 0] | (mid[:, 1] << 2) | (mid[:, 2] << 4) | (mid[:, 3] << 6)
-    top = np.packbits((u >> 6) & 1, bitorder="little")
-    return np.concatenate([_pack_nibbles(u), mid.astype(np.uint8), top])
+    hi = (u >> 4).reshape(-1, 4, 2)                   # (chunk of 8, j, odd)
+    w2, w1 = np.array([1, 4, 16, 64], np.uint8)[:, None], np.array([1, 2, 4, 8], np.uint8)[:, None]
+    mid = ((hi & 3) * w2).sum(axis=1, dtype=np.uint8)  # (chunk, odd): byte 2c + odd
+    top = ((hi >> 2) * w1).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([_pack_nibbles(u), mid.reshape(-1), top[:, 0] | (top[:, 1] << 4)])
 
 
 def unpack_codes(b: np.ndarray, codec: str = "int4") -> np.ndarray:
@@ -328,11 +331,13 @@ def unpack_codes(b: np.ndarray, codec: str = "int4") -> np.ndarray:
         q = _unpack_nibbles(b).astype(np.int8)
         return np.where(q > 7, q - 16, q).astype(np.int8)
     n = b.size * 8 // 7
-    u = _unpack_nibbles(b[: n // 2])
-    mid = b[n // 2: n // 2 + n // 4]
-    u |= ((mid[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(-1) << 4
-    u |= np.unpackbits(b[n // 2 + n // 4:], bitorder="little") << 6
-    return (u.astype(np.int16) - 63).astype(np.int8)
+    u = _unpack_nibbles(b[: n // 2]).reshape(-1, 4, 2)  # (chunk of 8, j, odd)
+    mid = b[n // 2: n // 2 + n // 4].reshape(-1, 1, 2)
+    top = b[n // 2 + n // 4:].reshape(-1, 1, 1)
+    j = np.arange(4, dtype=np.uint8)[:, None]
+    u |= ((mid >> (2 * j)) & 3) << 4
+    u |= ((top >> (j + 4 * np.arange(2, dtype=np.uint8))) & 1) << 6
+    return (u.reshape(-1).astype(np.int16) - 63).astype(np.int8)
 
 
 def codes_bytes(slice_elems: int, codec: str = "int4") -> int:

@@ -172,6 +172,17 @@ def test_rounds_option(no_env_overrides, capsys):
     assert "--rounds 2 sends the feedback residuals" in capsys.readouterr().err
 
 
+def test_codec_option(no_env_overrides, capsys):
+    rc = all_reduce.main(["--engine", "cpu", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0", "--quiet",
+                          "--codec", "int7-h32"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "codec int7-h32, group size 16," in out
+    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "--codec", "int7-h32",
+                            "--group-size", "32"]) == options.EXIT_USAGE
+    assert "--codec int7-h32 takes --group-size 16" in capsys.readouterr().err
+
+
 def test_cudagraph_needs_gpu(no_env_overrides, capsys):
     rc = all_reduce.main(["--engine", "cpu", "-G", "1", "-b", "1K", "-e", "1K"])
     assert rc == options.EXIT_USAGE

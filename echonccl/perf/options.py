@@ -16,7 +16,7 @@ import io
 import re
 
 from .. import dtypes
-from ..codec import CODECS, codec_groups
+from ..codec import CODECS, codec_groups, group_sizes
 from ..config import ALGORITHMS
 from .check import MAX_RELERR
 
@@ -193,6 +193,8 @@ def parse_options(argv, prog: str, collective: str, rank: int) -> argparse.Names
     opts.algorithms = algorithms(opts.algo)
     if opts.rounds > 1 and opts.no_feedback:
         raise UsageError(f"--rounds {opts.rounds} sends the feedback residuals: drop --no-feedback")
+    if opts.codec and opts.group_size and opts.group_size not in group_sizes(opts.codec):
+        raise UsageError(f"--codec {opts.codec} takes --group-size {'/'.join(map(str, group_sizes(opts.codec)))}")
     return opts
 
 
