@@ -12,7 +12,7 @@
 //    fabsf/fmaxf would then flush subnormals and break bit-exactness for fp32
 //    subnormal inputs. With asm the result is the same under nvcc
 //    (-ftz=false --fmad=false) and under CuPy's NVRTC.
-//  * q = clip(rint(fl(v / scale)), -7, 7) is computed without a division per
+//  * q = clip(rint(fl(v / scale)), -L, L) (L = 7; int7-h32: 63) is computed without a division per
 //    element where that is provably identical (see the quantize step below):
 //    fl(v * fl(1/scale)) rounded with the 1.5*2^23 trick, falling back to the
 //    IEEE division when the quotient is within 2^-16 of a half-integer.
@@ -32,7 +32,7 @@
 //    gives 0x7fc0/0xffc0), so outputs are equal as bits, NaNs included.
 //
 // Thread mapping: one thread = 8 consecutive elements of a slice = one 32-bit
-// word of packed codes. A group of G elements = G/8 consecutive lanes of one
+// word of packed codes (int7-h32: and a u16 and a byte of their high bits). A group of G elements = G/8 consecutive lanes of one
 // warp; its amax / non-finite flag is reduced with __shfl_xor_sync among them.
 // The host guarantees S % 512 == 0 (so the thread count is a multiple of 64
 // and every warp is entirely inside or outside the grid-stride range: the
@@ -515,7 +515,7 @@ __device__ __forceinline__ void add_terms(float (&acc)[8], const float (&t)[8]) 
     for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], t[i]);
 }
 
-// ------------------------------------------------------- rotation (int4-h32)
+// ------------------------------------------- rotation (int4-h32, int7-h32)
 // The rotated codec (codec.py, "Codecs"): every block of 32 consecutive elements
 // of a slice is multiplied by a fixed sign-randomized Hadamard matrix before its
 // first quantization and rotated back after its last decode. Thread mapping: a
@@ -827,7 +827,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 
         if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
             // The decoded values fl(q * scale), in the values' domain where the output or the
-            // owner's ref needs them (int4-h32; warp-uniform conditions: rotations need every lane).
+            // owner's ref needs them (rotated codecs; warp-uniform conditions: rotations need every lane).
             const int lb = (int)(t & (kRotLanes - 1));
             constexpr bool kRound = Traits<RefT>::kBytes == 2;
             const bool ref_in_values = kRot && (kRound || base != nullptr);

@@ -55,8 +55,9 @@ class Feedback:
     the residuals. Calls using one state must be ordered (one stream).
 
     The state also records the codec that wrote it (``codec``, set on binding):
-    ``int4-h32`` keeps its residuals in the rotated domain, so a state of one codec
-    is refused (`EchoncclError`) by a call or a communicator of the other.
+    the rotated codecs (``int4-h32``, ``int7-h32``) keep their residuals in the rotated
+    domain, so a state of one codec is refused (`EchoncclError`) by a call or a
+    communicator of another.
     `state_dict` is versioned (``STATE_VERSION``); a state without a version
     (written before codecs existed) is an ``int4`` state.
     """

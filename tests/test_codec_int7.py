@@ -93,3 +93,27 @@ def test_nan_poisons_its_block_of_two_groups(dtype):
     assert np.flatnonzero(bad).tolist() == list(range(64, 96)) + list(range(288, 320))
     ref = np.array(np.nan, np.float32).astype(dtype)
     assert out[bad].view(f"u{out.itemsize}").tolist() == [ref.view(f"u{out.itemsize}")] * 64
+
+
+def test_communicator_state_round_trip_and_group():
+    """A one-rank CPU communicator of int7-h32: group 16 by default, a wrong group refused before
+    anything runs, its Feedback state saved and loaded, and refused by an int4-h32 communicator."""
+    import echonccl
+    from mpi4py import MPI
+
+    from echonccl.errors import EchoncclError
+
+    with pytest.raises(ValueError, match="16"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec=I7, group_size=32)
+    fb = echonccl.Feedback()
+    fb.bind((3000, 2, 16, "float32"), Layout(3000, 2, 16, codec=I7), np.dtype(np.float32), np.zeros, I7)
+    fb.residuals.inputs[:] = 0.125
+    sd = fb.state_dict()
+    assert sd["codec"] == I7
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec=I7) as c:
+        assert c.config.group_size == 16
+        loaded = c.load_feedback(sd)
+        assert loaded.codec == I7 and np.all(loaded.residuals.inputs == 0.125)
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
+        with pytest.raises(EchoncclError, match="codec"):
+            c.load_feedback(sd)

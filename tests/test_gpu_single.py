@@ -40,7 +40,7 @@ def test_single_rank_gpu_returns_input(dtype):
 def test_fused_kernels_match_the_reference_two_ranks_on_one_gpu(mpirun):
     """The fused peer-memory kernels at P = 2 without NCCL (which refuses two ranks on one GPU):
     two processes map each other's buffers on the same GPU; outputs and residuals bit for bit
-    against the CPU reference, both codecs (tests/mpi/checks.py check_fused_reference)."""
+    against the CPU reference, every codec (tests/mpi/checks.py check_fused_reference)."""
     res = mpirun(2, ["tests/mpi/checks.py", "fused_reference", "gpu"], timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "OK fused_reference ranks=2 engine=gpu" in res.stdout

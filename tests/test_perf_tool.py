@@ -161,26 +161,20 @@ def test_single_rank_run(no_env_overrides, capsys):
     assert [int(r.split()[0]) for r in _data_lines(out)] == [1024, 2048, 4096]
 
 
-def test_rounds_option(no_env_overrides, capsys):
-    rc = all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--quiet",
-                          "--rounds", "2"])
+@pytest.mark.parametrize("option,shown,conflict,refusal", [
+    (["--rounds", "2"], "feedback on (input residuals), rounds 2, algorithms two_shot ring",
+     ["--rounds", "2", "--no-feedback"], "--rounds 2 sends the feedback residuals"),
+    (["--codec", "int7-h32"], "codec int7-h32, group size 16,",
+     ["--codec", "int7-h32", "--group-size", "32"], "--codec int7-h32 takes --group-size 16"),
+])
+def test_option_runs_and_its_conflict_is_a_usage_error(no_env_overrides, capsys, option, shown, conflict,
+                                                       refusal):
+    rc = all_reduce.main(["--engine", "cpu", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0", "--quiet", *option])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "feedback on (input residuals), rounds 2, algorithms two_shot ring" in out
-    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "--rounds", "2",
-                            "--no-feedback"]) == options.EXIT_USAGE
-    assert "--rounds 2 sends the feedback residuals" in capsys.readouterr().err
-
-
-def test_codec_option(no_env_overrides, capsys):
-    rc = all_reduce.main(["--engine", "cpu", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0", "--quiet",
-                          "--codec", "int7-h32"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "codec int7-h32, group size 16," in out
-    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", "--codec", "int7-h32",
-                            "--group-size", "32"]) == options.EXIT_USAGE
-    assert "--codec int7-h32 takes --group-size 16" in capsys.readouterr().err
+    assert shown in out
+    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", *conflict]) == options.EXIT_USAGE
+    assert refusal in capsys.readouterr().err
 
 
 def test_cudagraph_needs_gpu(no_env_overrides, capsys):

@@ -5,10 +5,12 @@ against the device-to-device copy bandwidth measured in the same run.
     python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32 int7-h32]
                                  [--block 1024 --max-blocks 124]
 
-Each kernel is timed for each codec (default both: the rotated int4-h32 against int4),
+Each kernel is timed for each codec (default: the rotated int4-h32 against int4; a codec that
+does not take ``--group`` runs at its own group size, int7-h32 at 16),
 so the rotation's cost shows as the ratio of their bandwidths. ``--block`` launches blocks of
 that many threads, one per SM (the kernels must be built for it: ``ECHONCCL_FATBIN`` from
-``nvcc -fatbin -DECHO_BLOCK=1024 -DECHO_RQ_MIN_BLOCKS=1 -DECHO_RQ_MIN_BLOCKS_H32_F32=1``);
+``nvcc -fatbin -DECHO_BLOCK=1024 -DECHO_RQ_MIN_BLOCKS=1 -DECHO_RQ_MIN_BLOCKS_H32_F32=1``
+``-DECHO_RQ_MIN_BLOCKS_I7=1``, the last since int7-h32);
 ``--max-blocks`` caps every grid (``CudaKernels(max_blocks=)``): with 1024-thread blocks, the
 SMs the codec may use (BENCHMARKS.md, fifth pass).
 """

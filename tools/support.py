@@ -33,21 +33,25 @@ def codec_factor(codec_name: str) -> int:
 
 
 def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
-    """The README's per-element error bound of a feedback-free 4-bit all-reduce, without the
-    output dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max)
-    / 14 per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum.
-    The sum's group max is at most ``amax_sum`` grown by 1/7 per hop: (1 + 1/7)^P covers it.
-    The rotated codec's is 32 times that (`codec_factor`)."""
+    """The README's per-element error bound of a feedback-free all-reduce, without the output
+    dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max) / 2L
+    per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum and
+    L the codes' largest magnitude (7; int7-h32: 63, its groups' max taken over their block).
+    The sum's group max is at most ``amax_sum`` grown by 1/L per hop: (1 + 1/L)^P covers it.
+    The rotated codecs' is 32 times that (`codec_factor`)."""
     hops = 2 if algo in TWO_HOP else nranks
-    return codec_factor(codec_name) * hops * (1 + 1 / 7) ** nranks * np.asarray(amax_sum) / 14
+    levels = 63 if codec.wide(codec_name) else 7
+    return codec_factor(codec_name) * hops * (1 + 1 / levels) ** nranks * np.asarray(amax_sum) / (2 * levels)
 
 
 def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str = "int4"):
     """`readme_bound` plus the output's rounding (bf16's 2^-7, relative) and a few units of the
-    smallest float32 and output-dtype subnormals (groups below ~1e-44 can clip to +-7)."""
+    smallest scale (float32's smallest subnormal; int7-h32: bfloat16's, 2^-133) and the
+    output dtype's smallest subnormal (groups below ~1e-44 can clip to +-L)."""
     tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
+    smallest_scale = 2.0 ** -133 if codec.wide(codec_name) else 2.0 ** -149
     return (readme_bound(amax_sum, algo, nranks, codec_name) + np.abs(exact) * 2.0 ** -7
-            + 8 * (nranks + 1) * codec_factor(codec_name) * (2.0 ** -149 + tiny))
+            + 8 * (nranks + 1) * codec_factor(codec_name) * (smallest_scale + tiny))
 
 
 def group_amax(x64: np.ndarray, group: int) -> np.ndarray:

@@ -377,7 +377,7 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
 def check_fused_reference():
     """The fused kernels against the CPU reference directly, without NCCL (so ranks may share a
     GPU: their IPC-mapped buffers work the same; their kernels take turns): outputs and both
-    residuals bit for bit, both codecs, every dtype and residual dtype, rounds 1 and 2; the
+    residuals bit for bit, every codec, every dtype and residual dtype, rounds 1 and 2; the
     one-shot equals the float32 sum in rank order rounded once."""
     import cupy
 
