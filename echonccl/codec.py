@@ -50,7 +50,8 @@ Codecs: ``int4``, ``int4-h32`` (rotated) and ``int7-h32`` (rotated, 8 bits)
 ------------------------------------------------------------------------------
 ``CODECS`` names the three codecs; ``int4`` and ``int4-h32`` use the byte layout
 and the group encoding above (5 bits an element at G = 32); ``int7-h32`` is the
-8-bit accuracy mode described at the end of this section. ``int4`` encodes the values themselves. ``int4-h32`` runs the
+8-bit accuracy mode described at the end of this section. ``int4`` encodes the
+values themselves. ``int4-h32`` runs the
 whole all-reduce in a rotated domain: every block of ``ROT_BLOCK`` = 32
 consecutive elements of a slice (blocks aligned with the groups, so a group of
 G >= 32 holds G/32 whole blocks) is multiplied by a fixed sign-randomized
@@ -99,24 +100,22 @@ nibble ``i`` of the first section (packed as ``int4``'s codes); with ``k = i % 8
 ``j = k // 2`` and ``odd = k % 2``, its bits 4-5 at bits ``2 j`` of byte ``2 (i // 8) + odd``
 of the second, and its bit 6 at bit ``j + 4 odd`` of byte ``i // 8`` of the third (per 8
 elements: the even ones' high bits in the low byte / nibble, so that a decoder can spread
-them into four bytes at once). Encoding a group is ``int4``'s with 63 for 7 and a scale truncated to a
-bfloat16 (the float32 exponent range, so no group underflows or overflows)::
+them into four bytes at once). Encoding a group is ``int4``'s with 63 for 7 and a scale
+truncated to a bfloat16 (the float32 exponent range, so no group underflows or overflows)::
 
     scale = 0                                          if amax == 0
           = max(trunc_bf16(fl(amax / 63)), 2**-133)    otherwise
     q     = clip(rint(v / scale), -63, 63)
     trunc_bf16(s) = the float32 with bits bits(s) & 0xFFFF0000
 
+and a non-finite group writes the bfloat16 NaN 0x7FC0 (float32 0x7FC00000) and ``q = 0``.
 Truncating keeps ``|q * scale| <= amax`` (up to float32's rounding of ``amax / 63``), so a
 finite input decodes finite, and ``|v / scale| < 63.5`` for a normal scale, so no code is
-clipped there; 2**-133 is bfloat16's smallest subnormal.
-
-and a non-finite group writes the bfloat16 NaN 0x7FC0 (float32 0x7FC00000) and ``q = 0``.
-Its NaN/Inf unit is the rotation block: a NaN or Inf in a block makes both of its
-groups non-finite, and decoding writes, to all 32 elements of a block where either
-group's scale is NaN, the first such scale's NaN (quieted, then rounded to the output
-as for ``int4``). 16 sequences of SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2%
-of the unsplit model's perplexity and 98.1-98.7% top-1 agreement (ACCURACY.md).
+clipped there; 2**-133 is bfloat16's smallest subnormal. Its NaN/Inf unit is the
+rotation block: a NaN or Inf in a block makes both of its groups non-finite, and
+decoding writes, to all 32 elements of a block where either group's scale is NaN, the
+first such scale's NaN (quieted, then rounded to the output as for ``int4``). SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2% of the unsplit
+model's perplexity and 98.2-98.9% top-1 agreement (ACCURACY.md, section 0).
 
 Residuals (error feedback)
 --------------------------
