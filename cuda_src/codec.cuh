@@ -465,22 +465,33 @@ __device__ __forceinline__ void decode_codes(const Codes8& c, float (&q)[8]) {
     else decode8(c.lo, q);
 }
 
+// int7-h32: four offset codes u = q + 63 (one a byte) -> their bits 4-5 as the byte of 2-bit
+// fields (field j at bit 2j) | their bit 6 as a nibble (bit j) at bits 8-11: the inverse of
+// spread_high3, by multiplications that gather field j from bit 8j without overlapping copies.
+__device__ __forceinline__ u32 gather_high3(u32 u) {
+    const u32 crumbs = (((u >> 4) & 0x03030303u) * 0x00041041u) >> 18;   // bit 8j -> 2j + 18
+    const u32 tops = (((u >> 6) & 0x01010101u) * 0x00204081u) >> 21;     // bit 8j -> j + 21
+    return (crumbs & 0xffu) | ((tops & 0xfu) << 8);
+}
 // Pack 8 codes (code[i] holds q in two's complement in its low bits, or q + 1.5 * 2^23 as
 // float bits: the same low bits) in the codec's format.
 template <int kCodec>
 __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
     Codes8 c{0u, 0u};
+    if constexpr (kCodec == kInt7H32) {
+        // The low bytes of the even and of the odd elements' codes, four to a word, offset by 63
+        // bytewise: for q in [-63, 63] the low seven bits plus 63 stay below 256, and bit 7
+        // (set for q < 0) flipped back gives q + 63.
+        const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
+        const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
+        const u32 ue = ((ev & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (ev & 0x80808080u);
+        const u32 uo = ((od & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (od & 0x80808080u);
+        const u32 he = gather_high3(ue), ho = gather_high3(uo);
+        c.lo = (ue & 0x0f0f0f0fu) | ((uo & 0x0f0f0f0fu) << 4);
+        c.hi = (he & 0xffu) | ((ho & 0xffu) << 8) | ((he >> 8) << 16) | ((ho >> 8) << 20);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        if constexpr (kCodec == kInt7H32) {   // element i = 2j + odd: see decode8_7
-            const u32 u = (code[i] + 63u) & 0x7fu;
-            const int j = i >> 1, odd = i & 1;
-            c.lo |= (u & 0xfu) << (4 * i);
-            c.hi |= ((u >> 4) & 3u) << (2 * j + 8 * odd);
-            c.hi |= (u >> 6) << (16 + j + 4 * odd);
-        } else {
-            c.lo |= (code[i] & 0xfu) << (4 * i);
-        }
+        for (int i = 0; i < 8; ++i) c.lo |= (code[i] & 0xfu) << (4 * i);
     }
     return c;
 }
