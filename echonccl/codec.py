@@ -166,7 +166,6 @@ RES_SUPER = 512             # elements per (mantissas, exponents) record of it
 RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
 
 _F32 = np.float32
-_SEVEN = np.float32(QMAX)
 _MIN_SCALE = np.float32(2.0 ** -149)
 
 
