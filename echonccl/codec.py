@@ -114,8 +114,9 @@ finite input decodes finite, and ``|v / scale| < 63.5`` for a normal scale, so n
 clipped there; 2**-133 is bfloat16's smallest subnormal. Its NaN/Inf unit is the
 rotation block: a NaN or Inf in a block makes both of its groups non-finite, and
 decoding writes, to all 32 elements of a block where either group's scale is NaN, the
-first such scale's NaN (quieted, then rounded to the output as for ``int4``). SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2% of the unsplit
-model's perplexity and 98.2-98.9% top-1 agreement (ACCURACY.md, section 0).
+first such scale's NaN (quieted, then rounded to the output as for ``int4``).
+SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2% of the unsplit model's perplexity
+and 98.2-98.9% top-1 agreement (ACCURACY.md, section 0).
 
 Residuals (error feedback)
 --------------------------

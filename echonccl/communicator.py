@@ -143,7 +143,7 @@ class Communicator:
     in use (README "Memory"). ``codec``: ``"int4-h32"`` (default: each 32-element block
     rotated by a signed Hadamard transform before quantizing, about 3x less perplexity loss
     on a real model at the same bytes), ``"int4"``, or ``"int7-h32"`` (the 8-bit accuracy
-mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). Options may be overridden by
+    mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). Options may be overridden by
     ``ECHONCCL_*`` variables (`config`). Call `close` when done.
     """
 

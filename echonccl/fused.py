@@ -70,8 +70,7 @@ def entry_points() -> list[str]:
     """Every kernel ``fused_kernels.cu`` defines."""
     from .codec import codec_groups
 
-    groups = sorted({g for _, g in codec_groups()})
-    names = [fused_name(t, r, g, c) for g in groups for t, r in _FUSED_COMBOS for c, cg in codec_groups() if cg == g]
+    names = [fused_name(t, r, g, c) for c, g in codec_groups() for t, r in _FUSED_COMBOS]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 

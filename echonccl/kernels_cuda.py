@@ -80,12 +80,9 @@ def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name
 def entry_points() -> list[str]:
     """Every kernel name ``echo_kernels.cu`` defines (the same list, built the same way)."""
     names = []
-    for g in sorted({g for _, g in codec.codec_groups()}):
-        cs = [c for c, cg in codec.codec_groups() if cg == g]
-        for i, r, f in _RQ_COMBOS:
-            names += [reduce_quantize_name(i, r, f, g, c) for c in cs]
-        for o in _DQ_TYPES:
-            names += [dequantize_name(o, g, acc, c) for acc in (False, True) for c in cs]
+    for c, g in codec.codec_groups():
+        names += [reduce_quantize_name(i, r, f, g, c) for i, r, f in _RQ_COMBOS]
+        names += [dequantize_name(o, g, acc, c) for o in _DQ_TYPES for acc in (False, True)]
     return names
 
 
