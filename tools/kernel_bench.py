@@ -46,16 +46,16 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e6  # TB/s
 
 
-def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0,
+def cases(elems: int, group: int, codec_name: str = "int4", block: int = 0,
           max_blocks: int | None = None):
-    """Rows (name, bytes moved, us). ``block``: threads per block, one block per SM (sets
-    `kernels_cuda.BLOCK` for this process); ``max_blocks`` None: ``ECHONCCL_CODEC_MAX_BLOCKS``."""
+    """The kernels as two_shot calls them: (name, bytes moved, launch function) for each.
+    ``block``: threads per block, one block per SM (sets `kernels_cuda.BLOCK` for this
+    process); ``max_blocks`` None: ``ECHONCCL_CODEC_MAX_BLOCKS``."""
     one_per_sm = {}
     if block:
         kernels_cuda.BLOCK = block
         one_per_sm = dict(blocks_per_sm=1, dq_blocks_per_sm=1)
     k = CudaKernels(max_blocks=max_blocks, **one_per_sm)
-    rows = []
     if group not in codec.group_sizes(codec_name):
         group = codec.default_group(codec_name)
     L = Layout(elems, 1, group, codec=codec_name)
@@ -71,17 +71,23 @@ def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: i
             # as two_shot calls it: a contribution (n_in = 0) measures its residual in float32,
             # the owner (n_in > 0) against the output dtype (int4-h32: rotated back and forth)
             ref = np.float32 if n_in == 0 else ndt
-            t = time_us(lambda: k.reduce_quantize(L, inc, n_in, own, res, out, ref), iters)
             moved = n_in * B + own.nbytes + 2 * res.nbytes + B
-            rows.append((f"reduce_quantize in={dt} residual={rd.name} n_in={n_in} {codec_name}", moved, t))
+            yield (f"reduce_quantize in={dt} residual={rd.name} n_in={n_in} {codec_name}", moved,
+                   lambda inc=inc, n_in=n_in, own=own, res=res, out=out, ref=ref:
+                   k.reduce_quantize(L, inc, n_in, own, res, out, ref))
         wire = cp.zeros(B, dtype=cp.uint8)
         dst = cp.empty(S, dtype=ndt)
-        t = time_us(lambda: k.dequantize(L, wire, dst), iters)
-        rows.append((f"dequantize out={dt} {codec_name}", B + dst.nbytes, t))
+        yield f"dequantize out={dt} {codec_name}", B + dst.nbytes, lambda wire=wire, dst=dst: k.dequantize(L, wire, dst)
         prev = cp.zeros(S, dtype=ndt)
-        t = time_us(lambda: k.dequantize(L, wire, prev, accumulate=True), iters)
-        rows.append((f"dequantize accumulate out={dt} {codec_name}", B + 2 * prev.nbytes, t))
-    return rows
+        yield (f"dequantize accumulate out={dt} {codec_name}", B + 2 * prev.nbytes,
+               lambda wire=wire, prev=prev: k.dequantize(L, wire, prev, accumulate=True))
+
+
+def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0,
+          max_blocks: int | None = None):
+    """Rows (name, bytes moved, us) of `cases`, each timed by `time_us`."""
+    return [(name, moved, time_us(fn, iters))
+            for name, moved, fn in cases(elems, group, codec_name, block, max_blocks)]
 
 
 def main():
