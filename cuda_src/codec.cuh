@@ -55,6 +55,13 @@
 #define ECHO_PREFETCH_IN 1
 #endif
 
+// Separate loops for slices that lie whole in aligned buffers (no bounds test per load or
+// store); 0: one loop with the tests for every call. reduce_quantize with float32 inputs or
+// residuals keeps the one loop (the second made ptxas spill there: 2-4% slower on H200).
+#ifndef ECHO_FULL_PATH
+#define ECHO_FULL_PATH 1
+#endif
+
 namespace echo {
 
 typedef unsigned int u32;
@@ -75,6 +82,19 @@ ECHO_F32_BINOP(sub_rn, "sub.rn.f32")
 ECHO_F32_BINOP(mul_rn, "mul.rn.f32")
 ECHO_F32_BINOP(div_rn, "div.rn.f32")  // IEEE-754 division, correctly rounded, subnormals kept
 #undef ECHO_F32_BINOP
+// fl(a * b + c), rounded once (no .ftz): with b = +-1 the product is exact, so this is
+// fl(c +- a), the same bits as add_rn / sub_rn.
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+// max(m, |d|) for non-NaN operands (a tie test's largest deviation).
+__device__ __forceinline__ float max_abs(float m, float d) {
+    float r;
+    asm("{ .reg .f32 a; abs.f32 a, %2; max.f32 %0, %1, a; }" : "=f"(r) : "f"(m), "f"(d));
+    return r;
+}
 // rint (nearest, ties to even) straight to int; saturating, NaN -> 0.
 __device__ __forceinline__ int rint_s32(float a) {
     int r;
@@ -239,11 +259,12 @@ __device__ __forceinline__ u32 raw_bits(const T* p) {
 }
 
 // Load elements [e0, e0+8) of p; those >= n read as +0 (all-zero bits). `vec`
-// says p is 16-byte aligned (then e0 % 8 == 0 keeps every vector load aligned).
-template <typename T, bool kReadOnly>
+// says p is 16-byte aligned (then e0 % 8 == 0 keeps every vector load aligned). kFull: the
+// caller knows both (vec and e0 + 8 <= n), so only the vector load is compiled.
+template <typename T, bool kReadOnly, bool kFull = false>
 __device__ __forceinline__ Raw8<T> load_raw8(const T* p, i64 e0, i64 n, bool vec) {
     Raw8<T> r;
-    if (vec && e0 + 8 <= n) {
+    if (kFull || (vec && e0 + 8 <= n)) {
         const uint4* q = reinterpret_cast<const uint4*>(p + e0);
 #pragma unroll
         for (int i = 0; i < Raw8<T>::kVec; ++i) r.w[i] = kReadOnly ? ldg16(q + i) : q[i];
@@ -266,10 +287,10 @@ __device__ __forceinline__ u32 bits16(T v);
 template <> __device__ __forceinline__ u32 bits16<half_t>(half_t v) { return v.x; }
 template <> __device__ __forceinline__ u32 bits16<bf16_t>(bf16_t v) { return v.x; }
 
-// Store 8 already-converted elements [e0, e0+8) to p, only those < n.
-template <typename T>
+// Store 8 already-converted elements [e0, e0+8) to p, only those < n (kFull: as load_raw8).
+template <typename T, bool kFull = false>
 __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&v)[8]) {
-    if (vec && e0 + 8 <= n) {
+    if (kFull || (vec && e0 + 8 <= n)) {
         if constexpr (Traits<T>::kBytes == 4) {
             uint4* q = reinterpret_cast<uint4*>(p + e0);
             const float* f = reinterpret_cast<const float*>(v);
@@ -287,10 +308,10 @@ __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&
     }
 }
 
-// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n.
-template <typename T>
+// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n (kFull: as load_raw8).
+template <typename T, bool kFull = false>
 __device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
-    if (vec && e0 + 8 <= n) {
+    if (kFull || (vec && e0 + 8 <= n)) {
         if constexpr (Traits<T>::kBytes == 4) {
             uint4* q = reinterpret_cast<uint4*>(p + e0);
             q[0] = make_uint4(fbits(v[0]), fbits(v[1]), fbits(v[2]), fbits(v[3]));
@@ -332,7 +353,7 @@ __device__ __forceinline__ R* res_at(R* p, i64 elems) {
 template <typename R> struct ResRaw { Raw8<R> r; };
 template <> struct ResRaw<i8res_t> { uint2 m; u32 x; };
 
-template <typename R>
+template <typename R, bool kFull = false>
 __device__ __forceinline__ ResRaw<R> res_load(const R* p, i64 t, i64 S, bool vec) {
     ResRaw<R> r;
     if constexpr (IsI8<R>::v) {
@@ -340,7 +361,7 @@ __device__ __forceinline__ ResRaw<R> res_load(const R* p, i64 t, i64 S, bool vec
         r.m = *reinterpret_cast<const uint2*>(b + i8_mant_off(t));
         r.x = b[i8_exp_off(t)];
     } else {
-        r.r = load_raw8<R, false>(p, t << 3, S, vec);
+        r.r = load_raw8<R, false, kFull>(p, t << 3, S, vec);
     }
     return r;
 }
@@ -364,7 +385,7 @@ __device__ __forceinline__ void res_unpack(const ResRaw<R>& r, float (&v)[8]) {
 
 // Store 8 finite residuals e (rounded to R; for i8res_t: the block's exponent from the 4 lanes'
 // largest |e|, x = max(E, 7), m = clip(rint(fl(e * 2^(133 - x))), -127, 127)).
-template <typename R>
+template <typename R, bool kFull = false>
 __device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const float (&e)[8]) {
     if constexpr (IsI8<R>::v) {
         u32 a = 0;
@@ -384,7 +405,7 @@ __device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const fl
         *reinterpret_cast<uint2*>(b + i8_mant_off(t)) = make_uint2(w[0], w[1]);
         if ((t & 3) == 0) b[i8_exp_off(t)] = (unsigned char)x;
     } else {
-        store8f<R>(p, t << 3, S, vec, e);
+        store8f<R, kFull>(p, t << 3, S, vec, e);
     }
 }
 
@@ -490,8 +511,10 @@ __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
         c.lo = (ue & 0x0f0f0f0fu) | ((uo & 0x0f0f0f0fu) << 4);
         c.hi = (he & 0xffu) | ((ho & 0xffu) << 8) | ((he >> 8) << 16) | ((ho >> 8) << 20);
     } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) c.lo |= (code[i] & 0xfu) << (4 * i);
+        // The even and the odd elements' low bytes, four to a word (prmt), their nibbles interleaved.
+        const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
+        const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
+        c.lo = (ev & 0x0f0f0f0fu) | ((od << 4) & 0xf0f0f0f0u);
     }
     return c;
 }
@@ -561,31 +584,66 @@ __device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
     for (int x = 1; x < kRotLanes; x <<= 1) {   // h = 8 (lane ^ 1), h = 16 (lane ^ 2)
         // The lower lane of a pair keeps fl(a + b) = fl(b + a), the upper one fl(a - b) =
         // fl(a + (-b)) (IEEE: exact identities for every non-NaN operand; a NaN's group is
-        // replaced by its scale's NaN anyway): one add on the partner's value and our own,
-        // sign-flipped in the upper lane, instead of two ops and a select.
-        const u32 flip = (lb & x) != 0 ? 0x80000000u : 0u;
+        // replaced by its scale's NaN anyway): one fma of our own value by +-1 (exact) onto
+        // the partner's, instead of two ops and a select.
+        const float sgn = (lb & x) != 0 ? -1.0f : 1.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
-            v[j] = add_rn(o, bitsf(fbits(v[j]) ^ flip));
+            v[j] = fma_rn(v[j], sgn, o);
         }
     }
 }
 
-// Forward: u_i = fl(x_i * (s_i 2^-5)), then the butterflies.
-__device__ __forceinline__ void rot_forward8(float (&v)[8], int lb) {
+// u_i = fl(x_i * (s_i 2^-5)): the forward's first step.
+__device__ __forceinline__ void rot_sign_scale8(float (&v)[8], int lb) {
     const u32 sb = rot_sign_byte(lb);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = mul_rn(v[j], bitsf(kRotScale | (((sb >> j) & 1u) << 31)));
+}
+
+// Forward: u_i = fl(x_i * (s_i 2^-5)), then the butterflies.
+__device__ __forceinline__ void rot_forward8(float (&v)[8], int lb) {
+    rot_sign_scale8(v, lb);
     rot_butterflies8(v, lb);
 }
 
-// Inverse: the butterflies, then x_i = w_i with its sign bit flipped where s_i = -1.
-__device__ __forceinline__ void rot_inverse8(float (&v)[8], int lb) {
-    rot_butterflies8(v, lb);
+// x_i = w_i with its sign bit flipped where s_i = -1.
+__device__ __forceinline__ void rot_signs8(float (&v)[8], int lb) {
     const u32 sb = rot_sign_byte(lb);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = bitsf(fbits(v[j]) ^ (((sb >> j) & 1u) << 31));
+}
+
+// Inverse: the butterflies, then the signs.
+__device__ __forceinline__ void rot_inverse8(float (&v)[8], int lb) {
+    rot_butterflies8(v, lb);
+    rot_signs8(v, lb);
+}
+
+// The forward's factor 2^-5 alone, for values whose signs are applied already (or cancel:
+// rounding to nearest is symmetric, so s * round(s * w) = round(w) bit for bit).
+__device__ __forceinline__ void rot_scale8(float (&v)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(v[j], bitsf(kRotScale));
+}
+
+// lb's signs for packed 16-bit pairs: bit 15 - k holds s of element 2k, bit 31 - k that of
+// element 2k + 1, so that (z << k) & 0x80008000 flips pair k (the k-th 32-bit word).
+__device__ __forceinline__ u32 rot_sign_word16(int lb) {
+    const u32 sb = rot_sign_byte(lb);
+    u32 z = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) z |= (((sb >> (2 * k)) & 1u) << (15 - k)) | (((sb >> (2 * k + 1)) & 1u) << (31 - k));
+    return z;
+}
+// 8 loaded 16-bit elements with their signs flipped where s_i = -1 (z: rot_sign_word16).
+__device__ __forceinline__ uint4 rot_signs16(uint4 w, u32 z) {
+    w.x ^= z & 0x80008000u;
+    w.y ^= (z << 1) & 0x80008000u;
+    w.z ^= (z << 2) & 0x80008000u;
+    w.w ^= (z << 3) & 0x80008000u;
+    return w;
 }
 
 // Element i of 8 loaded elements, as its type (bits unchanged).
@@ -685,17 +743,19 @@ __device__ __forceinline__ u32 unit_nan(u32 bits, i64 t) {
 // kernel's peers), as they are made.
 // kBatch: incoming slices loaded together (the fused kernel passes ECHO_FUSED_IN_BATCH = 1:
 // fewer registers and spills, faster with two ranks; the standalone kernels use kInBatch).
-template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
-          bool kOut = false, int kBatch = kInBatch>
-__device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
+// kFull: every buffer holds the whole slice and is 16-byte aligned (reduce_quantize_body
+// checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
+template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
+          bool kFull>
+__device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
                                                      unsigned char* __restrict__ wire_out, i64 S,
                                                      const RefT* __restrict__ base, i64 base_n,
                                                      i64 t_first, i64 t_end, i64 stride,
-                                                     unsigned char* const* copies = nullptr, int ncopies = 0,
-                                                     i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
-                                                     i64 out_n = 0) {
+                                                     unsigned char* const* copies, int ncopies,
+                                                     i64 copy_off, RefT* __restrict__ out_p,
+                                                     i64 out_n) {
     using W = Wire<G, kCodec>;
     constexpr bool kRot = W::kRot;
     constexpr int kLanes = W::kLanes;
@@ -708,14 +768,16 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 
     // With one incoming slice at a time, its code word and scale are prefetched too.
     constexpr bool kPfIn = ECHO_PREFETCH && ECHO_PREFETCH_IN && kBatch == 1;
+    const int lb = (int)(t_first & (kRotLanes - 1));   // the lane in its rotation block, fixed
+    const u32 z16 = rot_sign_word16(lb);
     i64 t = t_first;
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
     Codes8 in_w_next{0u, 0u};
     float in_sc_next = 0.0f;
     if (ECHO_PREFETCH && t < nthreads) {
-        own_next = load_raw8<InT, true>(own, t << 3, own_n, own_vec);
-        if (residual != nullptr) res_next = res_load<ResT>(residual, t, S, res_vec);
+        own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
+        if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
         if (kPfIn && nin > 0) {
             in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t, S);
             in_sc_next = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes), t);
@@ -733,8 +795,8 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
             own_r = own_next;
             res_r = res_next;
             if (t + stride < nthreads) {
-                own_next = load_raw8<InT, true>(own, e0 + (stride << 3), own_n, own_vec);
-                if (residual != nullptr) res_next = res_load<ResT>(residual, t + stride, S, res_vec);
+                own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
+                if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
                 if (kPfIn && nin > 0) {
                     in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t + stride, S);
                     in_sc_next = scale_of<G, kCodec>(
@@ -743,12 +805,19 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 }
             }
         } else {
-            own_r = load_raw8<InT, true>(own, e0, own_n, own_vec);
-            if (residual != nullptr) res_r = res_load<ResT>(residual, t, S, res_vec);
+            own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
+            if (residual != nullptr) res_r = res_load<ResT, kFull>(residual, t, S, res_vec);
         }
         float own_v[8], res_v[8];
-        unpack8<InT>(own_r.w, own_v);
-        if constexpr (kRot) rot_forward8(own_v, (int)(t & (kRotLanes - 1)));
+        if constexpr (kRot && Traits<InT>::kBytes == 2) {   // signs on the packed pairs: 4 ops, not 8
+            const uint4 w = rot_signs16(own_r.w[0], z16);
+            unpack8_16<InT>(w, own_v);
+            rot_scale8(own_v);
+            rot_butterflies8(own_v, lb);
+        } else {
+            unpack8<InT>(own_r.w, own_v);
+            if constexpr (kRot) rot_forward8(own_v, lb);
+        }
 
         // Terms in order, own at own_pos; acc starts at -0.0f, which makes the
         // first addition exact (-0 + x == x for every x, signed zeros included),
@@ -809,18 +878,27 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
                 // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
                 // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
+                // The test is one branch for the 8 quotients (their largest deviation), taken
+                // about once in 2^12 chunks (int7-h32: 2^10).
                 const float r = rcp_rn(scale);
+                float dev = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const float y = mul_rn(acc[i], r);
-                    float m = add_rn(y, kMagic);
-                    float q = sub_rn(m, kMagic);
-                    if (abs_bits(sub_rn(y, q)) > fbits(W::kNearTie)) {
-                        m = add_rn(div_rn(acc[i], scale), kMagic);
-                        q = sub_rn(m, kMagic);
-                    }
-                    qf[i] = q;
+                    const float m = add_rn(y, kMagic);
+                    qf[i] = sub_rn(m, kMagic);
                     code[i] = fbits(m);
+                    dev = max_abs(dev, sub_rn(y, qf[i]));
+                }
+                if (fbits(dev) > fbits(W::kNearTie)) {   // dev >= 0: the bits order as the values
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (abs_bits(sub_rn(mul_rn(acc[i], r), qf[i])) > fbits(W::kNearTie)) {
+                            const float m = add_rn(div_rn(acc[i], scale), kMagic);
+                            qf[i] = sub_rn(m, kMagic);
+                            code[i] = fbits(m);
+                        }
+                    }
                 }
             } else if (fbits(scale) != 0u) {
                 // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
@@ -839,17 +917,22 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
         if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
             // The decoded values fl(q * scale), in the values' domain where the output or the
             // owner's ref needs them (rotated codecs; warp-uniform conditions: rotations need every lane).
-            const int lb = (int)(t & (kRotLanes - 1));
             constexpr bool kRound = Traits<RefT>::kBytes == 2;
             const bool ref_in_values = kRot && (kRound || base != nullptr);
+            // Without a base the signs cancel in the ref (rotated back, rounded, rotated again:
+            // see rot_scale8), so e stays without them and only the output applies them.
+            const bool signless = kRot && kRound && base == nullptr;
             float e[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
-            if (ref_in_values) rot_inverse8(e, lb);
+            if (ref_in_values) {
+                rot_butterflies8(e, lb);
+                if (!signless) rot_signs8(e, lb);
+            }
             Raw8<RefT> braw;
             float b[8];
             if (base != nullptr) {
-                braw = load_raw8<RefT, true>(base, e0, base_n, aligned16(base));
+                braw = load_raw8<RefT, true, kFull>(base, e0, base_n, aligned16(base));
                 unpack8<RefT>(braw.w, b);
             }
             if (kOut && out_p != nullptr) {
@@ -859,6 +942,7 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 #pragma unroll
                 for (int i = 0; i < 8; ++i) o[i] = e[i];
                 if (kRot && !ref_in_values) rot_inverse8(o, lb);
+                if (signless) rot_signs8(o, lb);
                 const bool vec = aligned16(out_p);
                 // The NaN/Inf unit: the group, or (int7-h32) the rotation block of two groups.
                 bool unit_finite = finite;
@@ -870,15 +954,15 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                     RefT nan[8];
 #pragma unroll
                     for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(W::k7 ? kScaleNaN : fbits(scale));
-                    store8<RefT>(out_p, e0, out_n, vec, nan);
+                    store8<RefT, kFull>(out_p, e0, out_n, vec, nan);
                 } else if (base != nullptr) {
                     RefT w[8];
 #pragma unroll
                     for (int i = 0; i < 8; ++i)
                         w[i] = abs_bits(b[i]) > 0x7f800000u ? raw_elem<RefT>(braw, i) : Traits<RefT>::from_f32(add_rn(b[i], o[i]));
-                    store8<RefT>(out_p, e0, out_n, vec, w);
+                    store8<RefT, kFull>(out_p, e0, out_n, vec, w);
                 } else {
-                    store8f<RefT>(out_p, e0, out_n, vec, o);
+                    store8f<RefT, kFull>(out_p, e0, out_n, vec, o);
                 }
             }
             if (residual != nullptr) {
@@ -893,16 +977,47 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                 } else {
                     round_through8<RefT>(e);
                 }
-                if (ref_in_values) rot_forward8(e, lb);
+                if (ref_in_values) {
+                    if (signless) rot_scale8(e);
+                    else rot_sign_scale8(e, lb);
+                    rot_butterflies8(e, lb);
+                }
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const float d = sub_rn(acc[i], e[i]);
                     e[i] = (finite && is_finite(d)) ? d : 0.0f;
                 }
-                res_store<ResT>(residual, t, S, res_vec, e);
+                res_store<ResT, kFull>(residual, t, S, res_vec, e);
             }
         }
     }
+}
+
+// reduce_quantize over the threads [t_first, t_end) of a slice, walked with `stride` (see
+// reduce_quantize_loop): the loop without bounds tests when every buffer holds the slice.
+template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
+          bool kOut = false, int kBatch = kInBatch>
+__device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
+                                                     ResT* __restrict__ residual,
+                                                     unsigned char* __restrict__ wire_out, i64 S,
+                                                     const RefT* __restrict__ base, i64 base_n,
+                                                     i64 t_first, i64 t_end, i64 stride,
+                                                     unsigned char* const* copies = nullptr, int ncopies = 0,
+                                                     i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
+                                                     i64 out_n = 0) {
+    constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
+    const bool full = ECHO_FULL_PATH && kTwoLoops && aligned16(own) && own_n >= S && (residual == nullptr || aligned16(residual)) &&
+                      (base == nullptr || (aligned16(base) && base_n >= S)) &&
+                      (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
+    if (full)
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
+            copies, ncopies, copy_off, out_p, out_n);
+    else
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
+            copies, ncopies, copy_off, out_p, out_n);
 }
 
 // dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).
@@ -913,8 +1028,9 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
 // Rotated codecs: the decoded block is rotated back before the output; every
 // lane of a warp then runs (the thread count is rounded up to whole warps, the
 // stores still stop at count) and rotates before the NaN-scale branch.
-template <typename OutT, int G, bool kAcc, int kCodec = kInt4, bool kPeer = false>
-__device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
+// kFull: the slice lies whole inside `out`, which is 16-byte aligned (dequantize_body checks).
+template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
+__device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
     using W = Wire<G, kCodec>;
@@ -959,7 +1075,7 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
                 const OutT nan = Traits<OutT>::nan_of_scale(nan_bits);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) o[i] = nan;
-                store8<OutT>(out, base + (t << 3), count, vec, o);
+                store8<OutT, kFull>(out, base + (t << 3), count, vec, o);
             } else {
                 if constexpr (!kRot) {
                     decode_codes<kCodec>(w[u], v);
@@ -968,7 +1084,7 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
                 }
                 if constexpr (kAcc) {
                     // Plain (coherent) loads: this kernel writes `out`.
-                    const Raw8<OutT> prev = load_raw8<OutT, false>(out, base + (t << 3), count, vec);
+                    const Raw8<OutT> prev = load_raw8<OutT, false, kFull>(out, base + (t << 3), count, vec);
                     float p[8];
                     unpack8<OutT>(prev.w, p);
                     OutT o[8];
@@ -976,13 +1092,23 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
                     for (int i = 0; i < 8; ++i)
                         o[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(prev, i)
                                                             : Traits<OutT>::from_f32(add_rn(p[i], v[i]));
-                    store8<OutT>(out, base + (t << 3), count, vec, o);
+                    store8<OutT, kFull>(out, base + (t << 3), count, vec, o);
                 } else {
-                    store8f<OutT>(out, base + (t << 3), count, vec, v);
+                    store8f<OutT, kFull>(out, base + (t << 3), count, vec, v);
                 }
             }
         }
     }
+}
+
+template <typename OutT, int G, bool kAcc, int kCodec = kInt4, bool kPeer = false>
+__device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
+                                                i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
+                                                i64 stride) {
+    if (ECHO_FULL_PATH && aligned16(out) && count - slice * S >= S)
+        dequantize_loop<OutT, G, kAcc, kCodec, kPeer, true>(wire, out, count, S, slice, t_first, t_end, stride);
+    else
+        dequantize_loop<OutT, G, kAcc, kCodec, kPeer, false>(wire, out, count, S, slice, t_first, t_end, stride);
 }
 
 }  // namespace echo

@@ -79,8 +79,19 @@
 #define ECHO_DEFINE_REDUCE_QUANTIZE_I7(IN, RES, REF, G)                                                              \
     ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_i7h32, IN, RES, REF, G, 2)
 
+// dequantize: at least this many blocks per SM (8: 32 registers; a few spilled bytes in the
+// accumulating kernels, yet 1-9% faster than ptxas's own choice on H200, BENCHMARKS.md seventh
+// pass), or 0: ptxas's own choice.
+#ifndef ECHO_DQ_MIN_BLOCKS
+#define ECHO_DQ_MIN_BLOCKS 8
+#endif
+#if ECHO_DQ_MIN_BLOCKS
+#define ECHO_DQ_BOUNDS __launch_bounds__(ECHO_BLOCK, ECHO_DQ_MIN_BLOCKS)
+#else
+#define ECHO_DQ_BOUNDS __launch_bounds__(ECHO_BLOCK)
+#endif
 #define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC, CODEC)                                                           \
-    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK)                                                          \
+    extern "C" __global__ void ECHO_DQ_BOUNDS                                                                         \
         NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
         echo::dequantize_body<echo::OUT, G, ACC, CODEC>(wire, out, count, S, blockIdx.y,                              \
                                                       (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,       \

@@ -58,7 +58,16 @@ def test_entry_points_match_the_list(checked):
 @pytest.mark.nvcc
 def test_no_spills_and_registers(checked):
     assert set(checked["registers"]) == set(kc.entry_points()), checked["log"]
-    assert all(v == 0 for v in checked["spills"].values()), checked["spills"]
+    # Spills: none, except a few bytes measured cheaper than the occupancy ptxas would give up
+    # (BENCHMARKS.md, seventh pass): dequantize is built for 8 blocks per SM (32 registers; the
+    # int7-h32 and accumulating kernels spill, yet run 1-11% faster than at 40 registers or with
+    # one chunk a step), and the rotated owner's 16-bit-reference kernels keep a second loop
+    # for whole slices (a register; 3-4% faster than one loop without the spill).
+    spills = checked["spills"]
+    allowed = {n: 80 if n.startswith("echo_dequantize_") else
+               8 if n.startswith("echo_reduce_quantize_") and n.endswith("_h32") else 0 for n in spills}
+    assert all(v <= allowed[n] for n, v in spills.items()), {n: v for n, v in spills.items() if v}
+    assert spills["echo_dequantize_bf16_g32_h32"] == 0 and spills["echo_reduce_quantize_bf16_resbf16_reff32_g32_h32"] == 0
     # __launch_bounds__(256) allows 255; stay well below for occupancy: 64 (4 blocks of 256 per
     # SM), except the rotated float32-input reduce_quantize and every int7-h32 reduce_quantize,
     # built for 3 blocks per SM (80).
@@ -112,7 +121,9 @@ def test_arithmetic_ignores_ftz_and_fast_math(nvcc):
     loose = _ptx(src, "-ftz=true", "--use_fast_math")
     assert exact == loose
     assert ".ftz" not in exact
-    assert not re.search(r"\bfma\.", exact)
+    # The only fma is codec.cuh's explicit fma_rn (products by +-1, exact); a contracted one
+    # would make exact and loose differ.
+    assert not re.search(r"\bfma\.(?!rn\.f32\s)", exact)
     assert "div.rn.f32" in exact and "div.approx" not in exact
 
 
