@@ -1007,7 +1007,8 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                                                      i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
                                                      i64 out_n = 0) {
     constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
-    const bool full = ECHO_FULL_PATH && kTwoLoops && aligned16(own) && own_n >= S && (residual == nullptr || aligned16(residual)) &&
+    const bool full = ECHO_FULL_PATH && kTwoLoops && aligned16(own) && own_n >= S &&
+                      (residual == nullptr || aligned16(residual)) &&
                       (base == nullptr || (aligned16(base) && base_n >= S)) &&
                       (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
     if (full)
