@@ -499,22 +499,19 @@ __device__ __forceinline__ u32 gather_high3(u32 u) {
 template <int kCodec>
 __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
     Codes8 c{0u, 0u};
+    // The low bytes of the even and of the odd elements' codes, four to a word.
+    const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
+    const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
     if constexpr (kCodec == kInt7H32) {
-        // The low bytes of the even and of the odd elements' codes, four to a word, offset by 63
-        // bytewise: for q in [-63, 63] the low seven bits plus 63 stay below 256, and bit 7
-        // (set for q < 0) flipped back gives q + 63.
-        const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
-        const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
+        // Offset by 63 bytewise: for q in [-63, 63] the low seven bits plus 63 stay below 256,
+        // and bit 7 (set for q < 0) flipped back gives q + 63.
         const u32 ue = ((ev & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (ev & 0x80808080u);
         const u32 uo = ((od & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (od & 0x80808080u);
         const u32 he = gather_high3(ue), ho = gather_high3(uo);
         c.lo = (ue & 0x0f0f0f0fu) | ((uo & 0x0f0f0f0fu) << 4);
         c.hi = (he & 0xffu) | ((ho & 0xffu) << 8) | ((he >> 8) << 16) | ((ho >> 8) << 20);
     } else {
-        // The even and the odd elements' low bytes, four to a word (prmt), their nibbles interleaved.
-        const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
-        const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
-        c.lo = (ev & 0x0f0f0f0fu) | ((od << 4) & 0xf0f0f0f0u);
+        c.lo = (ev & 0x0f0f0f0fu) | ((od << 4) & 0xf0f0f0f0u);   // nibbles interleaved
     }
     return c;
 }

@@ -80,7 +80,7 @@
     ECHO_DEFINE_REDUCE_QUANTIZE_AS(echo_reduce_quantize_##IN##_res##RES##_ref##REF##_g##G##_i7h32, IN, RES, REF, G, 2)
 
 // dequantize: at least this many blocks per SM (8: 32 registers; a few spilled bytes in the
-// accumulating kernels, yet 1-9% faster than ptxas's own choice on H200, BENCHMARKS.md seventh
+// accumulating and int7-h32 kernels, yet 1-11% faster than ptxas's own choice on H200, BENCHMARKS.md seventh
 // pass), or 0: ptxas's own choice.
 #ifndef ECHO_DQ_MIN_BLOCKS
 #define ECHO_DQ_MIN_BLOCKS 8

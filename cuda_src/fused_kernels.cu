@@ -29,7 +29,8 @@
 // so CUDA-graph replays count calls too). A wait that exceeds timeout_ns sets ctl->error
 // and gives up (the host raises PeerTimeoutError; the output is then undefined).
 // One codec loop per phase (no separate loop for whole slices): with two, ptxas spilled twice
-// as much in the phases (bf16, G = 32, int4-h32: owner 200 -> 412 bytes, contribution 0 -> 192).
+// as much in the phases (bf16, G = 32, int4-h32: owner 200 -> 412 bytes, contribution 0 -> 192),
+// and two H200s ran 8-32 MiB 5-25% slower, 128 MiB - 1 GiB 6-9% faster (BENCHMARKS.md).
 #ifndef ECHO_FULL_PATH
 #define ECHO_FULL_PATH 0
 #endif
