@@ -28,12 +28,11 @@
 // The last block to finish resets the ticket and advances the epoch (stored on the device,
 // so CUDA-graph replays count calls too). A wait that exceeds timeout_ns sets ctl->error
 // and gives up (the host raises PeerTimeoutError; the output is then undefined).
-// One codec loop per phase (no separate loop for whole slices): with two, ptxas spilled twice
-// as much in the phases (bf16, G = 32, int4-h32: owner 200 -> 412 bytes, contribution 0 -> 192),
-// and two H200s ran 8-32 MiB 5-25% slower, 128 MiB - 1 GiB 6-9% faster (BENCHMARKS.md).
-#ifndef ECHO_FULL_PATH
-#define ECHO_FULL_PATH 0
-#endif
+// Each entry point runs one codec loop per phase: the general one (bounds tested per load and
+// store), or, in the `_whole` entry points, the loop for slices that lie whole in 16-byte aligned
+// buffers (the host picks it when x and out hold P * S elements, all aligned, in round 1). Both
+// loops in one phase made ptxas spill twice as much (bf16, G = 32, int4-h32: owner 200 -> 412
+// bytes) and two H200s ran 8-32 MiB 5-25% slower (BENCHMARKS.md, seventh pass).
 #include "codec.cuh"
 
 namespace echo {
@@ -162,39 +161,41 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 #else
 #define ECHO_PHASE __noinline__
 #endif
-// Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256.
-template <typename T, typename ResT, int G, int kCodec>
+// Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256. kWhole: the
+// slice lies whole in 16-byte aligned buffers (reduce_quantize_loop's and dequantize_loop's kFull).
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
-    reduce_quantize_body<T, ResT, float, G, kCodec, false, false, 1>(nullptr, 0, 0, own, own_n, res, wire, S,
-                                                                   (const float*)nullptr, 0, j * kChunk + threadIdx.x,
-                                                                   S >> 3, ntiles * kChunk);
+    reduce_quantize_loop<T, ResT, float, G, kCodec, false, false, 1, kWhole>(
+        nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr, 0, j * kChunk + threadIdx.x, S >> 3,
+        ntiles * kChunk, nullptr, 0, 0, (float*)nullptr, 0);
 }
-template <typename T, typename ResT, int G, int kCodec>
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
-    reduce_quantize_body<T, ResT, T, G, kCodec, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH>(
+    reduce_quantize_loop<T, ResT, T, G, kCodec, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH, kWhole>(
         incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
         ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
 }
-template <typename T, int G, int kCodec>
+template <typename T, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
     if (accumulate)
-        dequantize_body<T, G, true, kCodec, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
-                                                ntiles * kChunk);
+        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, j * kChunk + threadIdx.x,
+                                                          S >> 3, ntiles * kChunk);
     else
-        dequantize_body<T, G, false, kCodec, true>(wire, out, count, S, slice, j * kChunk + threadIdx.x, S >> 3,
-                                                 ntiles * kChunk);
+        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, j * kChunk + threadIdx.x,
+                                                           S >> 3, ntiles * kChunk);
 }
 
 // The fused two-shot all-reduce. x: this rank's input, x_n elements (0 in a refinement
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
-// at most the slice's chunks and max_tiles (flags per slot).
-template <typename T, typename ResT, int G, int kCodec>
+// at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count == P * S, and
+// x, out and the residuals 16-byte aligned (the host's choice; see phase_contribute).
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -221,7 +222,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G, kCodec>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
+            phase_contribute<T, ResT, G, kCodec, kWhole>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
                                          table->recv[s] + slot * slice_bytes, S, j, T_);
             __syncthreads();
             if (threadIdx.x == 0) {
@@ -244,7 +245,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, G, kCodec>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
+            phase_reduce<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
                                      S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
                                      P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
                                      bhi - blo);
@@ -266,7 +267,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, G, kCodec>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, G, kCodec, kWhole>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
     end_call(ctl, epoch);
@@ -445,18 +446,22 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 #define ECHO_FUSED_MIN_BLOCKS 4
 #endif
 
-// echo_fused_two_shot_<T>_res<R>_g<G>(const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out,
-//     i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table,
-//     Ctl* ctl, i64 timeout_ns)
-#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, CODEC)                                                                   \
+// echo_fused_two_shot_<T>_res<R>_g<G>[_whole](const T* x, i64 x_n, T* out, i64 count, R* res_in,
+//     R* res_out, i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate,
+//     const PeerTable* table, Ctl* ctl, i64 timeout_ns)   (_whole: see fused_two_shot_body)
+#define ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, WHOLE)                                                         \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC>(x, x_n, out, count, res_in, res_out, S, (int)rank,      \
-                                                            (int)P, ntiles, max_tiles, (int)accumulate, table, ctl,   \
-                                                            (echo::u64)timeout_ns);                                   \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, WHOLE>(x, x_n, out, count, res_in, res_out, S,          \
+                                                                   (int)rank, (int)P, ntiles, max_tiles,              \
+                                                                   (int)accumulate, table, ctl,                       \
+                                                                   (echo::u64)timeout_ns);                            \
     }
+#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, CODEC)       \
+    ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, false) \
+    ECHO_DEFINE_FUSED_ENTRY(NAME##_whole, T, R, G, CODEC, true)
 // The codecs as echo_kernels.cu names them: int4, int4-h32 (suffix _h32), and for G = 16
 // int7-h32 (suffix _i7h32).
 #define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \

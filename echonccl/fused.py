@@ -27,6 +27,8 @@ from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, Peer
 SOURCE = "fused_kernels.cu"
 BLOCK = 256
 BLOCKS_PER_SM = int(os.environ.get("ECHONCCL_FUSED_BLOCKS_PER_SM", 4))
+# Benchmark switch: 0 runs the general (bounds-tested) fused kernel even where the whole-slice one fits.
+WHOLE = os.environ.get("ECHONCCL_FUSED_WHOLE", "1") not in ("0", "false", "no")
 DEFAULT_MAX_BYTES = 4 << 30
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -53,8 +55,11 @@ def available(comm, device_id: int, allgather) -> bool:
     return all(allgather(ok))
 
 
-def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4") -> str:
-    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}"
+def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False) -> str:
+    """The fused two-shot entry point; ``whole``: the one for slices that lie whole in 16-byte
+    aligned buffers (no bounds tests: `FusedPaths` picks it when the call allows)."""
+    suffix = "_whole" if whole else ""
+    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}{suffix}"
 
 
 def one_shot_name(dtype: str, low_latency: bool = False) -> str:
@@ -70,8 +75,18 @@ def entry_points() -> list[str]:
     """Every kernel ``fused_kernels.cu`` defines."""
     from .codec import codec_groups
 
-    names = [fused_name(t, r, g, c) for c, g in codec_groups() for t, r in _FUSED_COMBOS]
+    names = [fused_name(t, r, g, c, w) for c, g in codec_groups() for t, r in _FUSED_COMBOS for w in (False, True)]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
+
+
+def _whole_slices(layout, x, out, state) -> bool:
+    """True when every rank's slice lies whole in ``x``, ``out`` and the residuals, 16-byte aligned:
+    what the ``_whole`` fused kernels assume."""
+    S, P = layout.slice_elems, layout.nranks
+    ptrs = [x.data.ptr, out.data.ptr]
+    if state is not None and state.inputs.dtype.itemsize != 1:   # int8 blocks: aligned by format
+        ptrs += [state.inputs.data.ptr + s * S * state.inputs.itemsize for s in range(P)] + [state.output.data.ptr]
+    return x.size == out.size == P * S and not any(p & 15 for p in ptrs)
 
 
 class _Module:
@@ -190,13 +205,13 @@ class FusedPaths:
         else:
             res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
             r = "i8" if state.inputs.dtype.itemsize == 1 else _SHORT[dtypes.canonical(state.inputs.dtype)]
-        kern = self.module.kernel(fused_name(t, r, G, layout.codec))
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
-        first = _Launch(kern, grid, args)
-        args[1], args[11] = 0, 1
-        return first, _Launch(kern, grid, args)
+        whole = WHOLE and _whole_slices(layout, x, out, state)
+        first = _Launch(self.module.kernel(fused_name(t, r, G, layout.codec, whole)), grid, args)
+        args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
+        return first, _Launch(self.module.kernel(fused_name(t, r, G, layout.codec)), grid, args)
 
     # -- one-shot ---------------------------------------------------------------------------
     def one_shot(self, x, out) -> None:

@@ -84,11 +84,47 @@ def test_no_growth_during_a_capture():
 
 def test_entry_point_names():
     names = fused.entry_points()
-    # 8 (input, residual) pairs x (3 groups x 2 int4 codecs + int7-h32's one group); one-shots
-    assert len(names) == len(set(names)) == 8 * 7 + 6
+    # 8 (input, residual) pairs x (3 groups x 2 int4 codecs + int7-h32's one group) x (general,
+    # whole slices); one-shots
+    assert len(names) == len(set(names)) == 8 * 7 * 2 + 6
     assert fused.fused_name("bf16", "bf16", 32) in names
+    assert fused.fused_name("bf16", "bf16", 32, "int4-h32", whole=True) == "echo_fused_two_shot_bf16_resbf16_g32_h32_whole"
     assert fused.fused_name("bf16", "bf16", 32, "int4-h32") == "echo_fused_two_shot_bf16_resbf16_g32_h32"
     assert fused.fused_name("bf16", "bf16", 16, "int7-h32") == "echo_fused_two_shot_bf16_resbf16_g16_i7h32" in names
     assert "echo_one_shot_ll_f32" in names
     src = kernels_cuda.module_source(fused.SOURCE)
     assert '#include "codec.cuh"' not in src and "reduce_quantize_body" in src   # the header inlined
+
+
+class _Buf:
+    """What `fused._whole_slices` reads of an engine array: size, itemsize, dtype, data.ptr."""
+
+    def __init__(self, size, ptr, dtype="uint16"):
+        import numpy as np
+        from types import SimpleNamespace
+
+        self.size, self.dtype = size, np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.data = SimpleNamespace(ptr=ptr)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
+    """The `_whole` fused kernel (no bounds tests) is chosen only when x and out hold P * S
+    elements and every buffer, each rank's input residuals included, is 16-byte aligned."""
+    from types import SimpleNamespace
+
+    from echonccl.layout import Layout
+
+    L = Layout(P * 4096, P, 32, codec="int4-h32")
+    S = L.slice_elems
+    res = SimpleNamespace(inputs=_Buf(P * S, 1 << 20), output=_Buf(S, 2 << 20))
+    x, out = _Buf(P * S, 3 << 20), _Buf(P * S, 4 << 20)
+    assert fused._whole_slices(L, x, out, res) and fused._whole_slices(L, x, x, None)
+    assert not fused._whole_slices(Layout(P * 4096 - 1, P, 32), _Buf(P * 4096 - 1, 3 << 20), out, res)
+    assert not fused._whole_slices(L, _Buf(P * S, (3 << 20) + 8), out, res)
+    assert not fused._whole_slices(L, x, _Buf(P * S, (4 << 20) + 2), res)
+    odd = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 4), output=res.output)
+    assert not fused._whole_slices(L, x, out, odd)
+    int8 = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 8, "int8"), output=_Buf(S, (2 << 20) + 8, "int8"))
+    assert fused._whole_slices(L, x, out, int8)
