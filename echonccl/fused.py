@@ -245,6 +245,11 @@ class FusedPaths:
         return n8, T, self._region(-(-(n * itemsize) // 256) * 256, T)
 
     # -- lifecycle --------------------------------------------------------------------------
+    def clear_plans(self) -> None:
+        """Forget every prepared launch (the next call of each buffer set prepares it again,
+        e.g. after `WHOLE` changed)."""
+        self._plans.clear()
+
     def failed(self) -> bool:
         """True when a kernel gave up waiting for a peer (synchronous: call after the stream is done)."""
         return self.peers.errors()

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The fused two-shot kernel alone (no NCCL): time per all-reduce of the general kernel against
+the ``_whole`` one (slices whole and aligned, no bounds tests), one row per size.
+
+    python tools/launch.py -n 2 tools/fused_bench.py [--sizes 16M 64M 256M 1G] [--codec int4-h32]
+        [--residual input|float32|int8] [--kernels general whole] [--iters 10] [--reps 2]
+        [--grid N] [--tiles N]
+    bash tools/with_mps.sh [--percent 50] python3 tools/launch.py -n 2 tools/fused_bench.py ...
+
+Rank r runs on device r % (devices): on a two-GPU host each rank has its GPU and the times are
+the fused path's own (NVLink between them). On one GPU both ranks share it, which times their
+work only under MPS (`tools/with_mps.sh`; without it the two processes' kernels take turns and
+each spins on the other's flags): a proxy for the kernels' cost that leaves NVLink out and
+makes the ranks share the SMs and the memory. It ranks variants differently depending on how
+they share (BENCHMARKS.md, eighth pass): use it to spot large effects, and confirm on two GPUs.
+``--grid`` sets the blocks per launch (default: `fused.BLOCKS_PER_SM` per SM, divided by the
+ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it); ``--tiles`` is
+``ECHONCCL_FUSED_TILES``. bf16 input, feedback on, G = the codec's default; medians over
+``--iters`` calls, each kernel timed ``--reps`` times in alternation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
+
+import echonccl
+from echonccl import codec, dtypes, fused, peer_memory
+from echonccl.layout import Layout
+from echonccl.perf.options import format_size, parse_size
+
+
+def time_calls(run, iters: int, comm) -> float:
+    """Median time of ``iters`` back-to-back calls of ``run(stream)`` in microseconds, after 3
+    warm-ups; every rank starts together."""
+    s = cp.cuda.get_current_stream()
+    for _ in range(3):
+        run(s)
+    ev = [cp.cuda.Event() for _ in range(iters + 1)]
+    s.synchronize()
+    comm.Barrier()
+    ev[0].record(s)
+    for i in range(iters):
+        run(s)
+        ev[i + 1].record(s)
+    s.synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(iters)]))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
+    p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
+    p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
+    p.add_argument("--kernels", nargs="+", default=["general", "whole"], choices=("general", "whole"))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the default)")
+    p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
+    a = p.parse_args(argv)
+
+    comm = MPI.COMM_WORLD
+    rank, P = comm.Get_rank(), comm.Get_size()
+    dev = rank % cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(dev).use()
+    sharing = comm.allgather(dev).count(dev)
+    if a.tiles:
+        peer_memory.TILES = a.tiles
+    paths = fused.FusedPaths(comm, comm.allgather, rank, P, 30.0, lambda: False)
+    paths.max_blocks = a.grid or paths.max_blocks // sharing   # every rank's grid resident at once
+    bf16 = dtypes.numpy_dtype("bfloat16")
+    group = codec.default_group(a.codec)
+    times = {}
+    for nbytes in map(parse_size, a.sizes):
+        n = nbytes // 2
+        layout = Layout(n, P, group, codec=a.codec)
+        state = echonccl.Feedback(a.residual).bind((n, P, group, "bfloat16"), layout, bf16,
+                                                   lambda k, dt: cp.zeros(k, dtype=dt), a.codec)
+        x = cp.random.default_rng(rank).standard_normal(n, dtype=cp.float32).astype(bf16)
+        out = cp.empty_like(x)
+        for _ in range(a.reps):
+            for kernel in a.kernels:
+                fused.WHOLE = kernel == "whole"
+                paths.clear_plans()
+                run, _ = paths.prepare_two_shot(layout, x, out, state)
+                times.setdefault((nbytes, kernel), []).append(time_calls(run, a.iters, comm))
+    cp.cuda.runtime.deviceSynchronize()
+    failed = paths.failed()
+    paths.close()
+    if failed:
+        raise SystemExit("fused_bench: a kernel timed out waiting for a peer")
+    if rank == 0:
+        print(f"# fused two-shot, {P} ranks, {a.codec}, bf16, {a.residual} residuals, "
+              f"grid {paths.max_blocks}, us (median of {a.iters}; one column per rep)")
+        print("| size | " + " | ".join(a.kernels) + " |")
+        print("|---:|" + "---:|" * len(a.kernels))
+        for nbytes in map(parse_size, a.sizes):
+            cells = [" / ".join(f"{t:.1f}" for t in times[(nbytes, k)]) for k in a.kernels]
+            print(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
