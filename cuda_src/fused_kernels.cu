@@ -33,6 +33,11 @@
 // buffers (the host picks it when x and out hold P * S elements, all aligned, in round 1). Both
 // loops in one phase made ptxas spill twice as much (bf16, G = 32, int4-h32: owner 200 -> 412
 // bytes) and two H200s ran 8-32 MiB 5-25% slower (BENCHMARKS.md, seventh pass).
+// The owner's prefetch of the next chunk's incoming code word and scale (codec.cuh) helped at 64
+// registers (1 GiB 1951 -> 1915 us, two H200s); at 80 it only adds spills (BENCHMARKS.md, eighth pass).
+#ifndef ECHO_PREFETCH_IN
+#define ECHO_PREFETCH_IN 0
+#endif
 #include "codec.cuh"
 
 namespace echo {
@@ -442,8 +447,11 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 
 }  // namespace echo
 
+// Resident blocks per SM asked of ptxas (echonccl/fused.py launches that many per SM): 3, 80
+// registers. At 4 (64 registers) the phases spilled 3-4x more (whole owner, bf16, int4-h32: 156
+// bytes against 44) and two ranks sharing an H200 timed 8-17% slower (BENCHMARKS.md, eighth pass).
 #ifndef ECHO_FUSED_MIN_BLOCKS
-#define ECHO_FUSED_MIN_BLOCKS 4
+#define ECHO_FUSED_MIN_BLOCKS 3
 #endif
 
 // echo_fused_two_shot_<T>_res<R>_g<G>[_whole](const T* x, i64 x_n, T* out, i64 count, R* res_in,

@@ -26,7 +26,8 @@ from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, Peer
 
 SOURCE = "fused_kernels.cu"
 BLOCK = 256
-BLOCKS_PER_SM = int(os.environ.get("ECHONCCL_FUSED_BLOCKS_PER_SM", 4))
+# Blocks of the fused two-shot per SM: the kernels are built for 3 resident (ECHO_FUSED_MIN_BLOCKS).
+BLOCKS_PER_SM = int(os.environ.get("ECHONCCL_FUSED_BLOCKS_PER_SM", 3))
 # Benchmark switch: 0 runs the general (bounds-tested) fused kernel even where the whole-slice one fits.
 WHOLE = os.environ.get("ECHONCCL_FUSED_WHOLE", "1") not in ("0", "false", "no")
 DEFAULT_MAX_BYTES = 4 << 30

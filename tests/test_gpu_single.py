@@ -1,11 +1,6 @@
 """One GPU: the GPU engine with one rank (P = 1, MPI.COMM_SELF) gives its input back, out of
 place and in place, for every dtype; and two ranks sharing the GPU run the fused kernels
-bit-exact with the reference, and are timed under MPS. Skipped without a GPU."""
-import re
-import shutil
-import subprocess
-import sys
-
+bit-exact with the reference. Skipped without a GPU."""
 import numpy as np
 import pytest
 
@@ -50,16 +45,3 @@ def test_fused_kernels_match_the_reference_two_ranks_on_one_gpu(mpirun):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "OK fused_reference ranks=2 engine=gpu" in res.stdout
 
-
-@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="no CUDA MPS here")
-def test_fused_bench_times_both_kernels_under_mps():
-    """tools/fused_bench.py with two ranks sharing the GPU under MPS (tools/with_mps.sh): a
-    time for the general and the whole-slice kernel at each size, and the daemon stopped after."""
-    from conftest import ROOT
-
-    cmd = ["bash", "tools/with_mps.sh", sys.executable, "tools/launch.py", "-n", "2", "tools/fused_bench.py",
-           "--sizes", "4M", "16M", "--iters", "3", "--reps", "1"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = re.findall(r"^\| (4|16) MiB \| ([\d.]+) \| ([\d.]+) \|$", res.stdout, re.M)
-    assert [r[0] for r in rows] == ["4", "16"] and all(float(t) > 0 for r in rows for t in r[1:]), res.stdout

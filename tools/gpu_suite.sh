@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth, soak, echonccl-perf in three
-# regimes (eager and CUDA graph), the depth study on the GPU engine.
+# The GPU acceptance run on a 2-GPU host: tests, kernel bandwidth (and the fused kernel's times),
+# soak, echonccl-perf in three regimes (eager and CUDA graph), the depth study on the GPU engine.
 #   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]      (from any directory)
 # Needs cupy, mpi4py, NCCL and an MPI launcher already installed, nothing else: echonccl comes from
 # this checkout (PYTHONPATH). ECHONCCL_INSTALLED=1 runs against the installed (pip install .,
@@ -47,6 +47,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == kernels || $what == all ]]; then
   "$PY" tools/kernel_bench.py || status=1
+  # the fused two-shot alone (no NCCL): two ranks on two GPUs, or sharing one under MPS
+  fb=("$PY" tools/launch.py -n 2 tools/fused_bench.py --sizes 16M 256M 1G)
+  if [[ $("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())') -ge 2 ]]; then "${fb[@]}" || status=1
+  else bash tools/with_mps.sh "${fb[@]}" || status=1; fi
 fi
 if [[ $what == soak || $what == all ]]; then
   # a fresh size on most calls (over 1000 distinct sizes): memory must stay flat after warm-up
