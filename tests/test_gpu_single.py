@@ -1,5 +1,5 @@
 """One GPU: the GPU engine with one rank (P = 1, MPI.COMM_SELF) gives its input back, out of
-place and in place, for every dtype; and two ranks sharing the GPU run the fused kernels
+place and in place, for every dtype; and 2, 4 or 8 ranks sharing the GPU run the fused kernels
 bit-exact with the reference. Skipped without a GPU."""
 import numpy as np
 import pytest
@@ -37,11 +37,13 @@ def test_single_rank_gpu_returns_input(dtype):
         comm.synchronize()
 
 
-def test_fused_kernels_match_the_reference_two_ranks_on_one_gpu(mpirun):
-    """The fused peer-memory kernels at P = 2 without NCCL (which refuses two ranks on one GPU):
-    two processes map each other's buffers on the same GPU; outputs and residuals bit for bit
-    against the CPU reference, every codec (tests/mpi/checks.py check_fused_reference)."""
-    res = mpirun(2, ["tests/mpi/checks.py", "fused_reference", "gpu"], timeout=600)
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_fused_kernels_match_the_reference_ranks_sharing_one_gpu(mpirun, ranks):
+    """The fused peer-memory kernels without NCCL (which refuses two ranks on one GPU): the
+    processes map each other's buffers on the same GPU (their kernels take turns); outputs and
+    residuals bit for bit against the CPU reference, every codec, at every P of one node
+    (tests/mpi/checks.py check_fused_reference)."""
+    res = mpirun(ranks, ["tests/mpi/checks.py", "fused_reference", "gpu"], timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "OK fused_reference ranks=2 engine=gpu" in res.stdout
+    assert f"OK fused_reference ranks={ranks} engine=gpu" in res.stdout
 
