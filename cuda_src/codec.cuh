@@ -733,6 +733,20 @@ __device__ __forceinline__ u32 unit_nan(u32 bits, i64 t) {
     }
 }
 
+// True when every residual v - ref of a group is finite by construction, so reduce_quantize may
+// skip its 8 tests: no base, and the group's amax (as bits) so small that no step overflows:
+// |fl(q * scale)| <= amax (1 + 2^-22), rotated back (int4-h32, 32 terms) <= 32 amax (1 + 2^-20),
+// rounded to RefT (float16: finite below 65504, so amax < 2^10; else amax < 2^120), rotated
+// again and subtracted from |v| <= amax: below 2^127. The caller leaves out int7-h32 (its
+// rotation block spans two groups, whose amax this thread does not see) and float32 inputs
+// (8 bytes spilled with the second path, no faster on H200: BENCHMARKS.md, eighth pass).
+template <typename RefT> struct PlainAmax { static constexpr u32 kBits = 0x7b800000u; };   // 2^120
+template <> struct PlainAmax<half_t> { static constexpr u32 kBits = 0x44800000u; };        // 2^10
+template <typename RefT>
+__device__ __forceinline__ bool plain_residual(u32 amax_bits, bool has_base) {
+    return !has_base && amax_bits < PlainAmax<RefT>::kBits;
+}
+
 // The threads [t_first, t_end) of a slice (one thread = 8 elements = one code word),
 // walked with `stride`: a standalone kernel passes its grid-stride range over all S / 8
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
@@ -979,10 +993,16 @@ __device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __rest
                     else rot_sign_scale8(e, lb);
                     rot_butterflies8(e, lb);
                 }
+                constexpr bool kMayPlain = !W::k7 && Traits<InT>::kBytes == 2;
+                if (kMayPlain && plain_residual<RefT>(amax, base != nullptr)) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float d = sub_rn(acc[i], e[i]);
-                    e[i] = (finite && is_finite(d)) ? d : 0.0f;
+                    for (int i = 0; i < 8; ++i) e[i] = sub_rn(acc[i], e[i]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float d = sub_rn(acc[i], e[i]);
+                        e[i] = (finite && is_finite(d)) ? d : 0.0f;
+                    }
                 }
                 res_store<ResT, kFull>(residual, t, S, res_vec, e);
             }
