@@ -21,7 +21,6 @@ ranks sharing the GPU so that every grid stays resident; with ``--percent`` give
 from __future__ import annotations
 
 import argparse
-import os
 
 import cupy as cp
 import numpy as np
