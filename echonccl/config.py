@@ -19,6 +19,7 @@ rank; `engine_gpu`), ``ECHONCCL_NCCL_LIBRARY`` (a libnccl.so.2 path; `nccl`),
 (0: no fused peer-memory kernels, every schedule over NCCL; `fused`),
 ``ECHONCCL_FUSED_CROSSOVER_BYTES`` (auto with fused kernels: below it the 16-bit one-shot;
 `engine_gpu`), ``ECHONCCL_FUSED_BLOCKS_PER_SM`` (grid of the fused kernels; `fused`),
+``ECHONCCL_FUSED_WHOLE`` (0: the general fused kernel where the whole-slice one fits; `fused`),
 ``ECHONCCL_NCCL_ALLGATHER`` (0: the NCCL path's all-gathers as send/recv rounds;
 `transport_nccl`), ``ECHONCCL_COMM_PRIORITY`` (1: the communication stream at the
 greatest priority; `transport_nccl`), ``ECHONCCL_CODEC_MAX_BLOCKS`` (a cap on the
