@@ -16,37 +16,20 @@ they share (BENCHMARKS.md, eighth pass): use it to spot large effects, and confi
 ``--grid`` sets the blocks per launch (default: `fused.BLOCKS_PER_SM` per SM, divided by the
 ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it); ``--tiles`` is
 ``ECHONCCL_FUSED_TILES``. bf16 input, feedback on, G = the codec's default; medians over
-``--iters`` calls, each kernel timed ``--reps`` times in alternation.
+``--iters`` calls (`kernel_bench.time_us`), each kernel timed ``--reps`` times in alternation.
 """
 from __future__ import annotations
 
 import argparse
 
 import cupy as cp
-import numpy as np
 from mpi4py import MPI
 
 import echonccl
 from echonccl import codec, dtypes, fused, peer_memory
 from echonccl.layout import Layout
 from echonccl.perf.options import format_size, parse_size
-
-
-def time_calls(run, iters: int, comm) -> float:
-    """Median time of ``iters`` back-to-back calls of ``run(stream)`` in microseconds, after 3
-    warm-ups; every rank starts together."""
-    s = cp.cuda.get_current_stream()
-    for _ in range(3):
-        run(s)
-    ev = [cp.cuda.Event() for _ in range(iters + 1)]
-    s.synchronize()
-    comm.Barrier()
-    ev[0].record(s)
-    for i in range(iters):
-        run(s)
-        ev[i + 1].record(s)
-    s.synchronize()
-    return float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(iters)]))
+from kernel_bench import time_us
 
 
 def main(argv=None) -> None:
@@ -85,7 +68,9 @@ def main(argv=None) -> None:
                 fused.WHOLE = kernel == "whole"
                 paths.clear_plans()
                 run, _ = paths.prepare_two_shot(layout, x, out, state)
-                times.setdefault((nbytes, kernel), []).append(time_calls(run, a.iters, comm))
+                stream = cp.cuda.get_current_stream()
+                comm.Barrier()   # the ranks start together; each call then waits for its peers
+                times.setdefault((nbytes, kernel), []).append(time_us(lambda: run(stream), a.iters))
     cp.cuda.runtime.deviceSynchronize()
     failed = paths.failed()
     paths.close()
