@@ -34,6 +34,7 @@
 // Thread mapping: one thread = 8 consecutive elements of a slice = one 32-bit
 // word of packed codes (int7-h32: and a u16 and a byte of their high bits). A group of G elements = G/8 consecutive lanes of one
 // warp; its amax / non-finite flag is reduced with __shfl_xor_sync among them.
+// (reduce_quantize_block32, int4-h32's owner at G = 32: one thread = a 32-element block.)
 // The host guarantees S % 512 == 0 (so the thread count is a multiple of 64
 // and every warp is entirely inside or outside the grid-stride range: the
 // full-mask shuffles are safe), and 4-byte aligned wire buffers (slices start
@@ -60,6 +61,11 @@
 // residuals keeps the one loop (the second made ptxas spill there: 2-4% slower on H200).
 #ifndef ECHO_FULL_PATH
 #define ECHO_FULL_PATH 1
+#endif
+// The owner of int4-h32 at G = 32 with 16-bit inputs, residuals and reference: one thread per
+// 32-element block (reduce_quantize_block32) in the standalone kernels; 0: never.
+#ifndef ECHO_BLOCK32
+#define ECHO_BLOCK32 1
 #endif
 
 namespace echo {
@@ -564,8 +570,8 @@ constexpr int kRotLanes = 4;             // lanes per 32-element block
 // The 8 sign bits (as float sign masks) of lane-in-block lb: bit j -> element 8*lb + j.
 __device__ __forceinline__ u32 rot_sign_byte(int lb) { return (kRotSigns >> (8 * lb)) & 0xffu; }
 
-// The five butterfly stages h = 1, 2, 4, 8, 16 (unnormalized Walsh-Hadamard) of one block.
-__device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
+// The stages h = 1, 2, 4 of 8 elements in a thread: fl(a + b), fl(a - b) per pair.
+__device__ __forceinline__ void butterflies_in8(float (&v)[8]) {
 #pragma unroll
     for (int h = 1; h < 8; h <<= 1) {
 #pragma unroll
@@ -577,6 +583,11 @@ __device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
             }
         }
     }
+}
+
+// The five butterfly stages h = 1, 2, 4, 8, 16 (unnormalized Walsh-Hadamard) of one block.
+__device__ __forceinline__ void rot_butterflies8(float (&v)[8], int lb) {
+    butterflies_in8(v);
 #pragma unroll
     for (int x = 1; x < kRotLanes; x <<= 1) {   // h = 8 (lane ^ 1), h = 16 (lane ^ 2)
         // The lower lane of a pair keeps fl(a + b) = fl(b + a), the upper one fl(a - b) =
@@ -1010,10 +1021,201 @@ __device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __rest
     }
 }
 
+// ------------------------------------- int4-h32, G = 32: a whole block per thread
+// The five butterfly stages of a 32-element block held as 4 chunks of 8 (h = 8: chunk ^ 1, h = 16:
+// chunk ^ 2).
+__device__ __forceinline__ void butterflies32(float (&v)[4][8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) butterflies_in8(v[k]);
+#pragma unroll
+    for (int x = 1; x < 4; x <<= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if ((k & x) == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float a = v[k][j], b = v[k + x][j];
+                    v[k][j] = add_rn(a, b);
+                    v[k + x][j] = sub_rn(a, b);
+                }
+            }
+        }
+    }
+}
+
+// reduce_quantize_loop's owner with one thread per 32-element rotation block (= group): the
+// rotation's h = 8 and 16 stages and the group's amax stay inside the thread (no shuffle). Same
+// bits as reduce_quantize_loop (the same operations on the same operands, in the same order).
+// For the standalone kernels' owner of int4-h32 at G = 32: 16-bit input, residual and reference,
+// no base, every buffer whole and 16-byte aligned (its kFull). 128 registers (2 blocks of 256 a
+// SM): on H200 5-26% less time than reduce_quantize_loop at 64 (BENCHMARKS.md, ninth pass). Not in
+// the fused kernel: there it spills, and its other phases lose their occupancy (+16%). Units
+// [u_first, u_end) of 32 elements, walked with `stride`; no warp-wide operation.
+template <typename InT, typename ResT, typename RefT>
+__device__ __forceinline__ void reduce_quantize_block32(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                        i64 own_pos, const InT* __restrict__ own,
+                                                        ResT* __restrict__ residual,
+                                                        unsigned char* __restrict__ wire_out, i64 S,
+                                                        i64 u_first, i64 u_end, i64 stride) {
+    static_assert(Traits<InT>::kBytes == 2 && Traits<ResT>::kBytes == 2 && Traits<RefT>::kBytes == 2,
+                  "16-bit input, residual and reference");
+    using W = Wire<32, kInt4H32>;
+    const i64 slice_bytes = W::slice_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
+    const int nin = (int)n_in, opos = (int)own_pos;
+    for (i64 u = u_first; u < u_end; u += stride) {
+        const i64 e0 = u << 5;
+        uint4 own_r[4], res_r[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) own_r[k] = ldg16(own + e0 + 8 * k);
+        if (residual != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) res_r[k] = *reinterpret_cast<const uint4*>(residual + e0 + 8 * k);
+        }
+        // Incoming slice b's code words and scale, loaded two slices ahead of their use
+        // (one ahead: the owner of 4 and of 8 ranks 4-5% slower).
+        auto ld_in = [&](int b, uint4& w, float& sc) {
+            const unsigned char* sl = incoming + (i64)b * slice_bytes;
+            w = ldg16(reinterpret_cast<const uint4*>(sl) + u);
+            sc = ld_wire_f32<false>(reinterpret_cast<const float*>(sl + codes_bytes) + u);
+        };
+        uint4 w_next = make_uint4(0u, 0u, 0u, 0u), w_next2 = make_uint4(0u, 0u, 0u, 0u);
+        float sc_next = 0.0f, sc_next2 = 0.0f;
+        if (nin > 0) ld_in(0, w_next, sc_next);
+        if (nin > 1) ld_in(1, w_next2, sc_next2);
+        float own_v[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            unpack8_16<InT>(rot_signs16(own_r[k], rot_sign_word16(k)), own_v[k]);
+            rot_scale8(own_v[k]);
+        }
+        butterflies32(own_v);
+
+        // The terms in order, own at own_pos, from acc = -0 (see reduce_quantize_loop).
+        float acc[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[k][i] = -0.0f;
+        for (int b = 0; b < nin; ++b) {
+            const uint4 w = w_next;
+            const float sc = sc_next;
+            w_next = w_next2;
+            sc_next = sc_next2;
+            if (b + 2 < nin) ld_in(b + 2, w_next2, sc_next2);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (b == opos) add_terms(acc[k], own_v[k]);
+                add_decoded<kInt4H32>(acc[k], Codes8{words[k], 0u}, sc);
+            }
+        }
+        if (opos >= nin) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) add_terms(acc[k], own_v[k]);
+        }
+        if (residual != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                float r[8];
+                unpack8_16<ResT>(res_r[k], r);
+                add_terms(acc[k], r);
+            }
+        }
+
+        u32 amax = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[k][i]));
+        const bool finite = amax < 0x7f800000u;
+
+        // The quantizer of reduce_quantize_loop (see there), the 32 values at once.
+        float scale = bitsf(kScaleNaN);
+        float qf[4][8];
+        u32 code[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) { qf[k][i] = 0.0f; code[k][i] = 0u; }
+        if (finite) {
+            scale = div_rn(bitsf(amax), (float)W::kLevels);
+            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(0x00000001u);
+            if (fbits(scale) >= 0x00800000u) {
+                const float r = rcp_rn(scale);
+                float dev = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float y = mul_rn(acc[k][i], r);
+                        const float m = add_rn(y, kMagic);
+                        qf[k][i] = sub_rn(m, kMagic);
+                        code[k][i] = fbits(m);
+                        dev = max_abs(dev, sub_rn(y, qf[k][i]));
+                    }
+                if (fbits(dev) > fbits(W::kNearTie)) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            if (abs_bits(sub_rn(mul_rn(acc[k][i], r), qf[k][i])) > fbits(W::kNearTie)) {
+                                const float m = add_rn(div_rn(acc[k][i], scale), kMagic);
+                                qf[k][i] = sub_rn(m, kMagic);
+                                code[k][i] = fbits(m);
+                            }
+                        }
+                }
+            } else if (fbits(scale) != 0u) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[k][i], scale))));
+                        qf[k][i] = i2f(q);
+                        code[k][i] = (u32)q;
+                    }
+            }
+        }
+        const uint4 packed = make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
+                                        pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
+        reinterpret_cast<uint4*>(wire_out)[u] = packed;
+        reinterpret_cast<float*>(wire_out + codes_bytes)[u] = scale;
+        if (residual == nullptr) continue;
+
+        // residual = v - ref, ref = fl(q * scale) rotated back, rounded through RefT and rotated
+        // again; without the signs, which cancel (see reduce_quantize_loop).
+        float e[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[k][i] = mul_rn(qf[k][i], scale);
+        butterflies32(e);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            round_through8<RefT>(e[k]);
+            rot_scale8(e[k]);
+        }
+        butterflies32(e);
+        const bool plain = plain_residual<RefT>(amax, false);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float d = sub_rn(acc[k][i], e[k][i]);
+                e[k][i] = (plain || (finite && is_finite(d))) ? d : 0.0f;
+            }
+            store8f<ResT, true>(residual, e0 + 8 * k, 0, true, e[k]);
+        }
+    }
+}
+
 // reduce_quantize over the threads [t_first, t_end) of a slice, walked with `stride` (see
 // reduce_quantize_loop): the loop without bounds tests when every buffer holds the slice.
+// kMayBlock32 (the standalone kernels, whose t_first and stride are the grid's): the owner's
+// reduce_quantize_block32 where it applies, with the same grid over S / 32 units.
 template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
-          bool kOut = false, int kBatch = kInBatch>
+          bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false>
 __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
                                                      i64 own_pos, const InT* __restrict__ own, i64 own_n,
                                                      ResT* __restrict__ residual,
@@ -1023,12 +1225,19 @@ __device__ __forceinline__ void reduce_quantize_body(const unsigned char* __rest
                                                      unsigned char* const* copies = nullptr, int ncopies = 0,
                                                      i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
                                                      i64 out_n = 0) {
+    const bool whole = aligned16(own) && own_n >= S && (residual == nullptr || aligned16(residual)) &&
+                       (base == nullptr || (aligned16(base) && base_n >= S)) &&
+                       (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
+    if constexpr (kMayBlock32 && ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
+                  sizeof(ResT) == 2 && sizeof(RefT) == 2 && !kPeer && !kOut) {
+        if (whole && base == nullptr && aligned16(incoming) && aligned16(wire_out) && ncopies == 0) {
+            reduce_quantize_block32<InT, ResT, RefT>(incoming, n_in, own_pos, own, residual, wire_out, S, t_first,
+                                                     S >> 5, stride);
+            return;
+        }
+    }
     constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
-    const bool full = ECHO_FULL_PATH && kTwoLoops && aligned16(own) && own_n >= S &&
-                      (residual == nullptr || aligned16(residual)) &&
-                      (base == nullptr || (aligned16(base) && base_n >= S)) &&
-                      (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
-    if (full)
+    if (ECHO_FULL_PATH && kTwoLoops && whole)
         reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(
             incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
             copies, ncopies, copy_off, out_p, out_n);

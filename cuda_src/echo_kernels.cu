@@ -63,13 +63,25 @@
 #define ECHO_RQ_MINB_2_bf16 ECHO_RQ_MIN_BLOCKS_I7
 #define ECHO_RQ_MINB_2_f32 ECHO_RQ_MIN_BLOCKS_I7
 
+// The owner's kernels that run one thread per 32-element block (int4-h32, G = 32, 16-bit input,
+// residual and reference: codec.cuh's reduce_quantize_block32) hold 32 values a thread: 128
+// registers, 2 blocks per SM, no spills.
+#ifndef ECHO_RQ_MIN_BLOCKS_B32
+#define ECHO_RQ_MIN_BLOCKS_B32 2
+#endif
+#define ECHO_RQ_MINB(CODEC, IN, RES, REF, G)                                                                         \
+    ((ECHO_BLOCK32 && CODEC == 1 && G == 32 && sizeof(echo::IN) == 2 && sizeof(echo::RES) == 2 &&                    \
+      sizeof(echo::REF) == 2)                                                                                        \
+         ? ECHO_RQ_MIN_BLOCKS_B32                                                                                    \
+         : ECHO_RQ_MINB_##CODEC##_##IN)
+
 #define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, CODEC)                                                 \
-    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB_##CODEC##_##IN)                             \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB(CODEC, IN, RES, REF, G))                    \
         NAME(const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                           \
              const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                    \
              unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
              long long base_n) {                                                                                      \
-        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC>(                                         \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC, false, false, echo::kInBatch, true>(    \
             incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
             (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }

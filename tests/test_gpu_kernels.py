@@ -300,6 +300,29 @@ def test_large_slice_grid_stride(cd, grid):
     assert_same_bits(to_host(out_d), out_np, "large dequantize")
 
 
+@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_block32_owner_grid_stride(dt, grid):
+    """The owner of int4-h32 at G = 32 with 16-bit residual and reference runs one thread per
+    32-element block (codec.cuh, reduce_quantize_block32) on whole aligned slices: a slice bigger
+    than its grid, adversarial own data, 1 and 3 incoming slices, fed back over calls."""
+    ck1 = CudaKernels(**grid)
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng(11)
+    big_s = 1 << 18
+    layout = Layout(big_s * 4, 4, 32, codec="int4-h32")
+    residual = (rng.standard_normal(big_s) * 0.01).astype(dtype)
+    for n_in, own_pos in [(1, 1), (3, 0), (3, 2)]:
+        B = layout.slice_bytes
+        incoming = np.zeros(n_in * B, dtype=np.uint8)
+        for i in range(n_in):
+            v = np.concatenate([adversarial_f32(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
+            NK.reduce_quantize(layout, None, 0, v.astype(dtype), None, incoming[i * B:(i + 1) * B], "float32")
+        own = np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
+        residual, _ = run_both(ck1, layout, incoming, own_pos, own, 0, residual, dtype,
+                               f"block32 {dt} n_in={n_in} own_pos={own_pos}")
+
+
 def test_no_allocation_and_current_stream(ck):
     """Launches go on the current stream and allocate nothing from cupy's pool."""
     layout = Layout(S, 1, 32)

@@ -10,7 +10,8 @@ does not take ``--group`` runs at its own group size, int7-h32 at 16),
 so the rotation's cost shows as the ratio of their bandwidths. ``--block`` launches blocks of
 that many threads, one per SM (the kernels must be built for it: ``ECHONCCL_FATBIN`` from
 ``nvcc -fatbin -DECHO_BLOCK=1024 -DECHO_RQ_MIN_BLOCKS=1 -DECHO_RQ_MIN_BLOCKS_H32_F32=1``
-``-DECHO_RQ_MIN_BLOCKS_I7=1``, the last since int7-h32);
+``-DECHO_RQ_MIN_BLOCKS_I7=1 -DECHO_RQ_MIN_BLOCKS_B32=1``, the last two since int7-h32 and the
+block-a-thread owner);
 ``--max-blocks`` caps every grid (``CudaKernels(max_blocks=)``): with 1024-thread blocks, the
 SMs the codec may use (BENCHMARKS.md, fifth pass).
 """
@@ -63,7 +64,8 @@ def cases(elems: int, group: int, codec_name: str = "int4", block: int = 0,
     for dt in ("bfloat16", "float16", "float32"):
         ndt = dtypes.numpy_dtype(dt)
         own = cp.random.standard_normal(S, dtype=cp.float32).astype(ndt)
-        for rdt, n_in in (("float32", 0), ("input", 0), ("float32", 1), ("input", 1), ("float32", 7)):
+        for rdt, n_in in (("float32", 0), ("input", 0), ("float32", 1), ("input", 1), ("input", 3),
+                          ("float32", 7), ("input", 7)):
             rd = np.dtype(np.float32) if rdt == "float32" else ndt
             res = cp.zeros(S, dtype=rd)
             inc = cp.zeros(max(n_in, 1) * B, dtype=cp.uint8) if n_in else None
