@@ -3,7 +3,7 @@
 // Built two ways from this one file:
 //   * nvcc -fatbin (tools/build_fatbin.sh) -> cuda_src/echo_kernels.fatbin
 //   * NVRTC through cupy.RawModule(code=...) (echonccl/kernels_cuda.py, which
-//     inlines codec.cuh into the source so CuPy's cache key covers it).
+//     inlines codec.cuh and its parts into the source so CuPy's cache key covers them).
 //
 // Entry points (all parameters are 8-byte: pointers or long long, which is
 // what CuPy passes for arrays / None / Python ints):
@@ -64,7 +64,7 @@
 #define ECHO_RQ_MINB_2_f32 ECHO_RQ_MIN_BLOCKS_I7
 
 // The owner's kernels that run one thread per 32-element block (int4-h32, G = 32, 16-bit input,
-// residual and reference: codec.cuh's reduce_quantize_block32) hold 32 values a thread: 128
+// residual and reference: reduce_quantize.cuh's reduce_quantize_block32) hold 32 values a thread: 128
 // registers, 2 blocks per SM, no spills.
 #ifndef ECHO_RQ_MIN_BLOCKS_B32
 #define ECHO_RQ_MIN_BLOCKS_B32 2

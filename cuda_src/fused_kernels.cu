@@ -33,7 +33,7 @@
 // buffers (the host picks it when x and out hold P * S elements, all aligned, in round 1). Both
 // loops in one phase made ptxas spill twice as much (bf16, G = 32, int4-h32: owner 200 -> 412
 // bytes) and two H200s ran 8-32 MiB 5-25% slower (BENCHMARKS.md, seventh pass).
-// The owner's prefetch of the next chunk's incoming code word and scale (codec.cuh) helped at 64
+// The owner's prefetch of the next chunk's incoming code word and scale (reduce_quantize.cuh) helped at 64
 // registers (1 GiB 1951 -> 1915 us, two H200s); at 80 it only adds spills (BENCHMARKS.md, eighth pass).
 #ifndef ECHO_PREFETCH_IN
 #define ECHO_PREFETCH_IN 0
@@ -90,7 +90,7 @@ __device__ __forceinline__ u64 global_ns() {
 #ifndef ECHO_FUSED_OWNER_OUT
 #define ECHO_FUSED_OWNER_OUT 1
 #endif
-// Incoming slices loaded together by the owner's reduce (codec.cuh's standalone kernels: 4).
+// Incoming slices loaded together by the owner's reduce (the standalone kernels: 4, ECHO_IN_BATCH).
 // One: fewer registers and spills, measured faster with two ranks (1 GiB 2117 -> 1954 us); a
 // second instantiation for P > 2 beside it made the kernel slower (2224 us). P > 2 not measured.
 #ifndef ECHO_FUSED_IN_BATCH

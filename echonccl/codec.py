@@ -1,7 +1,7 @@
 """The wire format of echonccl's 4-bit all-reduce, and its numpy reference.
 
 This module is the single definition of the format. The numpy kernels
-(`kernels_numpy`) call it; the CUDA kernels (`cuda_src/codec.cuh`) reproduce
+(`kernels_numpy`) call it; the CUDA kernels (`cuda_src/codec.cuh` and the parts it includes) reproduce
 it bit for bit and are tested against it.
 
 Slices

@@ -1,7 +1,9 @@
 """The GPU engine's kernels: `kernels.Kernels` on cupy arrays, bit-exact with `kernels_numpy`.
 
-The kernels live in ``cuda_src/`` (``codec.cuh``: the templates; ``echo_kernels.cu``:
-the ``extern "C"`` entry points over one instantiation list). Loading, once per
+The kernels live in ``cuda_src/`` (``codec.cuh``: the templates, in the parts it includes:
+``codec_base.cuh``, ``codec_wire.cuh``, ``rotation.cuh``, ``reduce_quantize.cuh``,
+``dequantize.cuh``; ``echo_kernels.cu``: the ``extern "C"`` entry points over one
+instantiation list). Loading, once per
 process (CuPy then keeps one module per device):
 
 1. ``$ECHONCCL_FATBIN`` if set (it must exist);
@@ -9,8 +11,8 @@ process (CuPy then keeps one module per device):
    repository's ``cuda_src/`` or the installed package's ``echonccl/cuda_src/``,
    unless its ``.sha256`` fingerprint says it was built from other sources;
 3. else the source, compiled by NVRTC through ``cupy.RawModule(code=...)``.
-   ``codec.cuh`` is inlined into the code so that CuPy's on-disk cache key
-   covers it. (CuPy appends ``-ftz=true`` to NVRTC options; the kernels do all
+   The headers are inlined into the code so that CuPy's on-disk cache key
+   covers them. (CuPy appends ``-ftz=true`` to NVRTC options; the kernels do all
    float arithmetic in inline PTX without ``.ftz``, so that cannot change a bit.)
 
 Launches go on the current cupy stream, never synchronize and allocate
@@ -37,7 +39,8 @@ from . import codec, dtypes
 
 BLOCK = 256                      # threads per block; matches ECHO_BLOCK / __launch_bounds__
 ELEMS_PER_THREAD = 8
-SOURCE_NAMES = ("codec.cuh", "echo_kernels.cu")
+SOURCE_NAMES = ("codec.cuh", "codec_base.cuh", "codec_wire.cuh", "rotation.cuh", "reduce_quantize.cuh",
+                "dequantize.cuh", "echo_kernels.cu")
 FATBIN_NAME = "echo_kernels.fatbin"
 MODULE_NAME = "echo_kernels.cu"
 # The one definition of the compile flags: exact IEEE arithmetic (no fmad contraction, no
@@ -49,7 +52,7 @@ NVCC_FLAGS = ("-std=c++17", *_FLAGS)
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 # Chunks of 8 outputs per thread and grid-stride step in dequantize, by output
-# type (ECHO_DQ_UNROLL16 / ECHO_DQ_UNROLL32 in codec.cuh; only sizes the grid).
+# type (ECHO_DQ_UNROLL16 / ECHO_DQ_UNROLL32 in dequantize.cuh; only sizes the grid).
 _DQ_UNROLL = {"f16": 2, "bf16": 2, "f32": 1}
 # (input, residual, ref) combinations instantiated in echo_kernels.cu, per group size.
 _RQ_COMBOS = tuple((i, r, f) for i in ("f16", "bf16") for r in ("f32", i, "i8") for f in ("f32", i)) + (

@@ -71,7 +71,7 @@ def test_no_spills_and_registers(checked):
     # __launch_bounds__(256) allows 255; stay well below for occupancy: 64 (4 blocks of 256 per
     # SM), except the rotated float32-input reduce_quantize and every int7-h32 reduce_quantize,
     # built for 3 blocks per SM (80), and int4-h32's owner at G = 32 with 16-bit residual and
-    # reference, a 32-element block a thread (codec.cuh, reduce_quantize_block32): 2 blocks (128).
+    # reference, a 32-element block a thread (reduce_quantize.cuh, reduce_quantize_block32): 2 blocks (128).
     regs = checked["registers"]
     wide = {n for n in regs if n.startswith("echo_reduce_quantize_") and
             (n.endswith("_i7h32") or (n.startswith("echo_reduce_quantize_f32_") and n.endswith("_h32")))}
@@ -124,7 +124,7 @@ def test_arithmetic_ignores_ftz_and_fast_math(nvcc):
     loose = _ptx(src, "-ftz=true", "--use_fast_math")
     assert exact == loose
     assert ".ftz" not in exact
-    # The only fma is codec.cuh's explicit fma_rn (products by +-1, exact); a contracted one
+    # The only fma is codec_base.cuh's explicit fma_rn (products by +-1, exact); a contracted one
     # would make exact and loose differ.
     assert not re.search(r"\bfma\.(?!rn\.f32\s)", exact)
     assert "div.rn.f32" in exact and "div.approx" not in exact

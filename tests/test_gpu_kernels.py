@@ -304,7 +304,7 @@ def test_large_slice_grid_stride(cd, grid):
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 def test_block32_owner_grid_stride(dt, grid):
     """The owner of int4-h32 at G = 32 with 16-bit residual and reference runs one thread per
-    32-element block (codec.cuh, reduce_quantize_block32) on whole aligned slices: a slice bigger
+    32-element block (reduce_quantize.cuh, reduce_quantize_block32) on whole aligned slices: a slice bigger
     than its grid, adversarial own data, 1 and 3 incoming slices, fed back over calls."""
     ck1 = CudaKernels(**grid)
     dtype = DTYPES[dt]

@@ -1,0 +1,376 @@
+// echonccl codec, the base of the CUDA twin of echonccl/codec.py (codec.cuh has the rules every part
+// keeps): the build knobs, float32 operations with explicit rounding, the element types, and
+// loads / stores of 8 elements and of the int8 residual format.
+#ifndef ECHO_CODEC_BASE_CUH
+#define ECHO_CODEC_BASE_CUH
+
+#ifndef ECHO_BLOCK
+#define ECHO_BLOCK 256
+#endif
+// Separate loops for slices that lie whole in aligned buffers (no bounds test per load or
+// store), in reduce_quantize and dequantize; 0: one loop with the tests for every call. reduce_quantize with float32 inputs or
+// residuals keeps the one loop (the second made ptxas spill there: 2-4% slower on H200).
+#ifndef ECHO_FULL_PATH
+#define ECHO_FULL_PATH 1
+#endif
+
+namespace echo {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// ---------------------------------------------------------------- float32 ops
+// One inline-PTX instruction per operation: .rn rounding, no .ftz, never contracted into an fma.
+#define ECHO_F32_BINOP(NAME, INSTR)                                          \
+    __device__ __forceinline__ float NAME(float a, float b) {               \
+        float r;                                                             \
+        asm(INSTR " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                \
+        return r;                                                            \
+    }
+ECHO_F32_BINOP(add_rn, "add.rn.f32")
+ECHO_F32_BINOP(sub_rn, "sub.rn.f32")
+ECHO_F32_BINOP(mul_rn, "mul.rn.f32")
+ECHO_F32_BINOP(div_rn, "div.rn.f32")  // IEEE-754 division, correctly rounded, subnormals kept
+#undef ECHO_F32_BINOP
+// fl(a * b + c), rounded once (no .ftz): with b = +-1 the product is exact, so this is
+// fl(c +- a), the same bits as add_rn / sub_rn.
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+// max(m, |d|) for non-NaN operands (a tie test's largest deviation).
+__device__ __forceinline__ float max_abs(float m, float d) {
+    float r;
+    asm("{ .reg .f32 a; abs.f32 a, %2; max.f32 %0, %1, a; }" : "=f"(r) : "f"(m), "f"(d));
+    return r;
+}
+// rint (nearest, ties to even) straight to int; saturating, NaN -> 0.
+__device__ __forceinline__ int rint_s32(float a) {
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+// IEEE-754 reciprocal, correctly rounded, subnormals kept.
+__device__ __forceinline__ float rcp_rn(float a) {
+    float r;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+__device__ __forceinline__ float i2f(int q) { return (float)q; }  // exact for |q| < 2^24
+
+__device__ __forceinline__ u32 fbits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ float bitsf(u32 b) { return __uint_as_float(b); }
+__device__ __forceinline__ u32 abs_bits(float x) { return fbits(x) & 0x7fffffffu; }
+__device__ __forceinline__ bool is_finite(float x) { return abs_bits(x) < 0x7f800000u; }
+
+// The NaN numpy writes for a non-finite group's scale: float32(np.nan).
+constexpr u32 kScaleNaN = 0x7fc00000u;
+// x + 1.5*2^23 rounds x to an integer, ties to even, for |x| < 2^22: the float
+// add does rint on the full-rate FP pipe (no conversion instruction), the low
+// bits of the sum's encoding are the integer in two's complement, and
+// subtracting the constant back gives rint(x) as a float, exactly.
+constexpr float kMagic = 12582912.0f;  // 0x4b400000
+
+// ------------------------------------------------------------ element types
+// Storage-only 16-bit types (same layout as __half / __nv_bfloat16).
+struct __align__(2) half_t { u16 x; };
+struct __align__(2) bf16_t { u16 x; };
+typedef half_t f16;
+typedef bf16_t bf16;
+typedef float f32;
+
+template <typename T> struct Traits;
+
+template <> struct Traits<float> {
+    static constexpr int kBytes = 4;
+    __device__ static __forceinline__ float to_f32(float v) { return v; }
+    __device__ static __forceinline__ float from_f32(float v) { return v; }
+    // numpy: q * NaN returns the NaN operand, quieted.
+    __device__ static __forceinline__ float nan_of_scale(u32 s) { return bitsf(s | 0x00400000u); }
+    __device__ static __forceinline__ float round2(float v) { return v; }
+};
+
+template <> struct Traits<half_t> {
+    static constexpr int kBytes = 2;
+    __device__ static __forceinline__ float to_f32(half_t v) {
+        float r;
+        asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "h"(v.x));
+        return r;
+    }
+    __device__ static __forceinline__ half_t from_f32(float v) {  // __float2half_rn
+        u16 r;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return half_t{r};
+    }
+    // Two conversions in one instruction: lo in bits 0-15, hi in bits 16-31.
+    __device__ static __forceinline__ u32 pack2(float lo, float hi) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return (u32)from_f32(lo).x | ((u32)from_f32(hi).x << 16);
+#endif
+    }
+    __device__ static __forceinline__ float lo_f32(u32 p) { return to_f32(half_t{(u16)(p & 0xffffu)}); }
+    __device__ static __forceinline__ float hi_f32(u32 p) { return to_f32(half_t{(u16)(p >> 16)}); }
+    __device__ static __forceinline__ half_t nan_of_scale(u32 s) {
+        // numpy npy_floatbits_to_halfbits on the quieted NaN s | 0x400000.
+        u32 f = s | 0x00400000u;
+        return half_t{(u16)(((f >> 16) & 0x8000u) | 0x7c00u | ((f & 0x007fffffu) >> 13))};
+    }
+};
+
+template <> struct Traits<bf16_t> {
+    static constexpr int kBytes = 2;
+    __device__ static __forceinline__ float to_f32(bf16_t v) { return bitsf((u32)v.x << 16); }
+    __device__ static __forceinline__ bf16_t from_f32(float v) {  // __float2bfloat16_rn
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u16 r;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return bf16_t{r};
+#else
+        u32 b = fbits(v);  // only finite values reach this (NaN handled by callers)
+        b += 0x7fffu + ((b >> 16) & 1u);
+        return bf16_t{(u16)(b >> 16)};
+#endif
+    }
+    __device__ static __forceinline__ u32 pack2(float lo, float hi) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return (u32)from_f32(lo).x | ((u32)from_f32(hi).x << 16);
+#endif
+    }
+    __device__ static __forceinline__ float lo_f32(u32 p) { return bitsf(p << 16); }
+    __device__ static __forceinline__ float hi_f32(u32 p) { return bitsf(p & 0xffff0000u); }
+    __device__ static __forceinline__ bf16_t nan_of_scale(u32 s) {
+        return bf16_t{(u16)((s & 0x80000000u) ? 0xffc0u : 0x7fc0u)};  // ml_dtypes / Eigen
+    }
+};
+
+// v[i] rounded (nearest even) through RefT and back to float; identity for float.
+template <typename RefT>
+__device__ __forceinline__ void round_through8(float (&v)[8]) {
+    if constexpr (Traits<RefT>::kBytes == 2) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+            const u32 p = Traits<RefT>::pack2(v[i], v[i + 1]);
+            v[i] = Traits<RefT>::lo_f32(p);
+            v[i + 1] = Traits<RefT>::hi_f32(p);
+        }
+    }
+}
+
+// ------------------------------------------------------- 8-element vectors I/O
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<u64>(p) & 15ull) == 0;
+}
+
+// Read-only (non-coherent) 16-byte load.
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4* w, float (&v)[8]);
+
+template <>
+__device__ __forceinline__ void unpack8<float>(const uint4* w, float (&v)[8]) {
+    v[0] = bitsf(w[0].x); v[1] = bitsf(w[0].y); v[2] = bitsf(w[0].z); v[3] = bitsf(w[0].w);
+    v[4] = bitsf(w[1].x); v[5] = bitsf(w[1].y); v[6] = bitsf(w[1].z); v[7] = bitsf(w[1].w);
+}
+template <typename T16>
+__device__ __forceinline__ void unpack8_16(const uint4& w, float (&v)[8]) {
+    const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = Traits<T16>::to_f32(T16{(u16)(a[i] & 0xffffu)});
+        v[2 * i + 1] = Traits<T16>::to_f32(T16{(u16)(a[i] >> 16)});
+    }
+}
+template <>
+__device__ __forceinline__ void unpack8<half_t>(const uint4* w, float (&v)[8]) { unpack8_16<half_t>(w[0], v); }
+template <>
+__device__ __forceinline__ void unpack8<bf16_t>(const uint4* w, float (&v)[8]) { unpack8_16<bf16_t>(w[0], v); }
+
+// 8 consecutive elements as loaded, before conversion (16 or 32 bytes).
+template <typename T>
+struct Raw8 {
+    static constexpr int kVec = (8 * Traits<T>::kBytes) / 16;  // 1 or 2 uint4
+    uint4 w[kVec];
+};
+
+template <typename T>
+__device__ __forceinline__ u32 raw_bits(const T* p) {
+    if constexpr (Traits<T>::kBytes == 4) return fbits(*reinterpret_cast<const float*>(p));
+    else return *reinterpret_cast<const u16*>(p);
+}
+
+// Load elements [e0, e0+8) of p; those >= n read as +0 (all-zero bits). `vec`
+// says p is 16-byte aligned (then e0 % 8 == 0 keeps every vector load aligned). kFull: the
+// caller knows both (vec and e0 + 8 <= n), so only the vector load is compiled.
+template <typename T, bool kReadOnly, bool kFull = false>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p, i64 e0, i64 n, bool vec) {
+    Raw8<T> r;
+    if (kFull || (vec && e0 + 8 <= n)) {
+        const uint4* q = reinterpret_cast<const uint4*>(p + e0);
+#pragma unroll
+        for (int i = 0; i < Raw8<T>::kVec; ++i) r.w[i] = kReadOnly ? ldg16(q + i) : q[i];
+    } else {
+        u32 b[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = (e0 + i < n) ? raw_bits(p + e0 + i) : 0u;
+        if constexpr (Raw8<T>::kVec == 2) {
+            r.w[0] = make_uint4(b[0], b[1], b[2], b[3]);
+            r.w[1] = make_uint4(b[4], b[5], b[6], b[7]);
+        } else {
+            r.w[0] = make_uint4(b[0] | (b[1] << 16), b[2] | (b[3] << 16), b[4] | (b[5] << 16), b[6] | (b[7] << 16));
+        }
+    }
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ u32 bits16(T v);
+template <> __device__ __forceinline__ u32 bits16<half_t>(half_t v) { return v.x; }
+template <> __device__ __forceinline__ u32 bits16<bf16_t>(bf16_t v) { return v.x; }
+
+// Store 8 already-converted elements [e0, e0+8) to p, only those < n (kFull: as load_raw8).
+template <typename T, bool kFull = false>
+__device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&v)[8]) {
+    if (kFull || (vec && e0 + 8 <= n)) {
+        if constexpr (Traits<T>::kBytes == 4) {
+            uint4* q = reinterpret_cast<uint4*>(p + e0);
+            const float* f = reinterpret_cast<const float*>(v);
+            q[0] = make_uint4(fbits(f[0]), fbits(f[1]), fbits(f[2]), fbits(f[3]));
+            q[1] = make_uint4(fbits(f[4]), fbits(f[5]), fbits(f[6]), fbits(f[7]));
+        } else {
+            *reinterpret_cast<uint4*>(p + e0) =
+                make_uint4(bits16(v[0]) | (bits16(v[1]) << 16), bits16(v[2]) | (bits16(v[3]) << 16),
+                           bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) p[e0 + i] = v[i];
+    }
+}
+
+// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n (kFull: as load_raw8).
+template <typename T, bool kFull = false>
+__device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    if (kFull || (vec && e0 + 8 <= n)) {
+        if constexpr (Traits<T>::kBytes == 4) {
+            uint4* q = reinterpret_cast<uint4*>(p + e0);
+            q[0] = make_uint4(fbits(v[0]), fbits(v[1]), fbits(v[2]), fbits(v[3]));
+            q[1] = make_uint4(fbits(v[4]), fbits(v[5]), fbits(v[6]), fbits(v[7]));
+        } else {
+            *reinterpret_cast<uint4*>(p + e0) =
+                make_uint4(Traits<T>::pack2(v[0], v[1]), Traits<T>::pack2(v[2], v[3]),
+                           Traits<T>::pack2(v[4], v[5]), Traits<T>::pack2(v[6], v[7]));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) p[e0 + i] = Traits<T>::from_f32(v[i]);
+    }
+}
+
+// Element i of 8 loaded elements, as its type (bits unchanged).
+template <typename T>
+__device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
+    const uint4& q = r.w[(i * Traits<T>::kBytes) / 16];
+    const int k = ((i * Traits<T>::kBytes) % 16) / 4;
+    const u32 word = k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
+    if constexpr (Traits<T>::kBytes == 4) return bitsf(word);
+    else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
+}
+
+// ------------------------------------------------- residuals in 8-bit blocks
+// The int8 residual format (codec.py, "Residuals"): per 512 elements, 512 int8 mantissas then
+// 16 exponent bytes (one per 32-element block, = 4 lanes). `i8res_t` marks a residual pointer
+// of that format (bytes); the res_* functions below load / store any residual type for thread
+// t of a slice (elements 8t .. 8t+7). res_store of i8res_t reduces over the 4 lanes of a block
+// with full-mask shuffles: every lane of the warp must call it together.
+struct i8res_t { unsigned char x; };
+typedef i8res_t i8;
+template <typename R> struct IsI8 { static constexpr bool v = false; };
+template <> struct IsI8<i8res_t> { static constexpr bool v = true; };
+constexpr i64 kResSuperBytes = 528;   // codec.RES_SUPER_BYTES
+
+__device__ __forceinline__ i64 i8_mant_off(i64 t) { return (t >> 6) * kResSuperBytes + ((t & 63) << 3); }
+__device__ __forceinline__ i64 i8_exp_off(i64 t) { return (t >> 6) * kResSuperBytes + 512 + ((t & 63) >> 2); }
+
+// Residual pointer p advanced by `elems` residuals (a multiple of 512 for i8res_t).
+template <typename R>
+__device__ __forceinline__ R* res_at(R* p, i64 elems) {
+    if constexpr (IsI8<R>::v) return reinterpret_cast<R*>(reinterpret_cast<unsigned char*>(p) + (elems >> 9) * kResSuperBytes);
+    else return p + elems;
+}
+
+template <typename R> struct ResRaw { Raw8<R> r; };
+template <> struct ResRaw<i8res_t> { uint2 m; u32 x; };
+
+template <typename R, bool kFull = false>
+__device__ __forceinline__ ResRaw<R> res_load(const R* p, i64 t, i64 S, bool vec) {
+    ResRaw<R> r;
+    if constexpr (IsI8<R>::v) {
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+        r.m = *reinterpret_cast<const uint2*>(b + i8_mant_off(t));
+        r.x = b[i8_exp_off(t)];
+    } else {
+        r.r = load_raw8<R, false, kFull>(p, t << 3, S, vec);
+    }
+    return r;
+}
+
+// float32 values: fl(max(m, -127) * 2^(min(max(x, 7), 254) - 133)) for i8res_t.
+template <typename R>
+__device__ __forceinline__ void res_unpack(const ResRaw<R>& r, float (&v)[8]) {
+    if constexpr (IsI8<R>::v) {
+        const u32 x = min(max(r.x, 7u), 254u);
+        const float mul = bitsf((x - 6u) << 23);
+        const u32 w[2] = {r.m.x, r.m.y};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int m = max((int)(signed char)((w[i >> 2] >> (8 * (i & 3))) & 0xffu), -127);
+            v[i] = mul_rn((float)m, mul);
+        }
+    } else {
+        unpack8<R>(r.r.w, v);
+    }
+}
+
+// Store 8 finite residuals e (rounded to R; for i8res_t: the block's exponent from the 4 lanes'
+// largest |e|, x = max(E, 7), m = clip(rint(fl(e * 2^(133 - x))), -127, 127)).
+template <typename R, bool kFull = false>
+__device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const float (&e)[8]) {
+    if constexpr (IsI8<R>::v) {
+        u32 a = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = max(a, abs_bits(e[i]));
+        a = max(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        a = max(a, __shfl_xor_sync(0xffffffffu, a, 2));
+        const u32 x = max(a >> 23, 7u);
+        const float mul = bitsf((260u - x) << 23);
+        u32 w[2] = {0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int m = min(127, max(-127, rint_s32(mul_rn(e[i], mul))));
+            w[i >> 2] |= ((u32)m & 0xffu) << (8 * (i & 3));
+        }
+        unsigned char* b = reinterpret_cast<unsigned char*>(p);
+        *reinterpret_cast<uint2*>(b + i8_mant_off(t)) = make_uint2(w[0], w[1]);
+        if ((t & 3) == 0) b[i8_exp_off(t)] = (unsigned char)x;
+    } else {
+        store8f<R, kFull>(p, t << 3, S, vec, e);
+    }
+}
+
+}  // namespace echo
+
+#endif  // ECHO_CODEC_BASE_CUH

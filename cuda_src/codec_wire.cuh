@@ -1,0 +1,208 @@
+// echonccl codec: the wire format on the GPU (codec.py, "Codecs"): codes packed and decoded, the
+// codecs' geometry (Wire), and the loads of codes and scales from a wire slice.
+#ifndef ECHO_CODEC_WIRE_CUH
+#define ECHO_CODEC_WIRE_CUH
+
+#include "codec_base.cuh"
+
+namespace echo {
+
+// ------------------------------------------------------------- wire decoding
+// The 8 codes of a packed 32-bit word as floats, exactly, with no conversion
+// instruction and no per-code shift. Code j (0..3) of a 16-bit half h sits in
+// bits 4j..4j+3; its nibble XOR 8 is q + 8 in [0, 15]. OR-ed into the mantissa
+// of 1.5 * 2^(23-4j) (whose ulp is 2^-4j, so bit 4j weighs 1), it encodes
+// 1.5 * 2^(23-4j) + q + 8, and one exact subtraction leaves q. Mask and XOR
+// are one lop3 with the constant in a register.
+template <u32 kMask>
+__device__ __forceinline__ u32 mask_xor(u32 a, u32 x) {  // (a & kMask) ^ x
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(a), "n"(kMask), "r"(x));
+    return r;
+}
+template <int J>
+__device__ __forceinline__ float code_in_half(u32 h) {
+    constexpr u32 kBits = ((150u - 4u * J) << 23) | 0x400000u;  // 1.5 * 2^(23-4J)
+    constexpr float kBias = (float)(3u << (22 - 4 * J)) + 8.0f;   // its value + 8, exact
+    return sub_rn(bitsf(mask_xor<(0xfu << (4 * J))>(h, kBits | (8u << (4 * J)))), kBias);
+}
+__device__ __forceinline__ void decode8(u32 w, float (&q)[8]) {
+    const u32 hi = w >> 16;
+    q[0] = code_in_half<0>(w);  q[1] = code_in_half<1>(w);  q[2] = code_in_half<2>(w);  q[3] = code_in_half<3>(w);
+    q[4] = code_in_half<0>(hi); q[5] = code_in_half<1>(hi); q[6] = code_in_half<2>(hi); q[7] = code_in_half<3>(hi);
+}
+
+// ------------------------------------------------------------- the codecs
+// kCodec (codec.CODECS): int4, int4-h32 (rotated), int7-h32 (rotated; 7-bit codes in three
+// sections, a bfloat16 scale per 16 elements: codec.py, "int7-h32").
+constexpr int kInt4 = 0, kInt4H32 = 1, kInt7H32 = 2;
+
+template <int G, int kCodec>
+struct Wire {
+    static constexpr bool kRot = kCodec != kInt4;
+    static constexpr bool k7 = kCodec == kInt7H32;
+    static_assert(k7 ? G == 16 : (G == 32 || G == 64 || G == 128), "group size of the codec");
+    static constexpr int kLanes = G / 8;                // lanes per group
+    static constexpr int kLevels = k7 ? 63 : 7;
+    // |y - rint(y)| above this: y may be too close to a half-integer for the reciprocal
+    // shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5, < 2^-16 for |y| <= 63.5).
+    static constexpr float kNearTie = k7 ? 0.5f - 1.0f / 16384.0f : 0.5f - 1.0f / 65536.0f;
+    __device__ static __forceinline__ i64 codes_bytes(i64 S) { return k7 ? S - (S >> 3) : S >> 1; }
+    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + 4 * (S / G); }
+};
+
+// A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = the u16 of bits 4-5
+// (bits 0-15) | the byte of bit 6 (bits 16-23), even elements in the low half of each
+// (codec.py, "int7-h32").
+struct Codes8 { u32 lo, hi; };
+
+// Bits 4-6 of the codes of elements 2j (odd: 2j + 1), j = 0..3, at bits 4-6 of byte j, from
+// the byte of their bits 4-5 (2 bits a field, field j at bit 2j) and the nibble of their bit 6
+// (bit j). Fields are spread to their bytes by multiplications whose shifted copies of the
+// field bits never overlap (no carries), then masked.
+__device__ __forceinline__ u32 spread_high3(u32 crumbs, u32 tops) {
+    const u32 a = (crumbs & 0x33u) * 0x00010010u;   // fields 0, 2 -> bits 4-5 of bytes 0, 2
+    const u32 b = (crumbs & 0xccu) * 0x00400400u;   // fields 1, 3 -> bits 4-5 of bytes 1, 3
+    const u32 t = (tops & 0xfu) * 0x08102040u;      // bit j -> bit 6 of byte j
+    return (a & 0x00300030u) | (b & 0x30003000u) | (t & 0x40404040u);
+}
+// int7-h32's 8 codes as floats, exactly: the offset codes u = q + 63 of the even and the odd
+// elements assembled bytewise, each byte moved into the mantissa of 2^23 (one prmt with the
+// constant 0x4b000000), and 2^23 + 63 subtracted.
+__device__ __forceinline__ void decode8_7(const Codes8& c, float (&q)[8]) {
+    const u32 ev = (c.lo & 0x0f0f0f0fu) | spread_high3(c.hi & 0xffu, c.hi >> 16);
+    const u32 od = ((c.lo >> 4) & 0x0f0f0f0fu) | spread_high3((c.hi >> 8) & 0xffu, c.hi >> 20);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        q[2 * j] = sub_rn(bitsf(__byte_perm(ev, 0x4b000000u, 0x7440u + j)), 8388671.0f);
+        q[2 * j + 1] = sub_rn(bitsf(__byte_perm(od, 0x4b000000u, 0x7440u + j)), 8388671.0f);
+    }
+}
+template <int kCodec>
+__device__ __forceinline__ void decode_codes(const Codes8& c, float (&q)[8]) {
+    if constexpr (kCodec == kInt7H32) decode8_7(c, q);
+    else decode8(c.lo, q);
+}
+
+// int7-h32: four offset codes u = q + 63 (one a byte) -> their bits 4-5 as the byte of 2-bit
+// fields (field j at bit 2j) | their bit 6 as a nibble (bit j) at bits 8-11: the inverse of
+// spread_high3, by multiplications that gather field j from bit 8j without overlapping copies.
+__device__ __forceinline__ u32 gather_high3(u32 u) {
+    const u32 crumbs = (((u >> 4) & 0x03030303u) * 0x00041041u) >> 18;   // bit 8j -> 2j + 18
+    const u32 tops = (((u >> 6) & 0x01010101u) * 0x00204081u) >> 21;     // bit 8j -> j + 21
+    return (crumbs & 0xffu) | ((tops & 0xfu) << 8);
+}
+// Pack 8 codes (code[i] holds q in two's complement in its low bits, or q + 1.5 * 2^23 as
+// float bits: the same low bits) in the codec's format.
+template <int kCodec>
+__device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
+    Codes8 c{0u, 0u};
+    // The low bytes of the even and of the odd elements' codes, four to a word.
+    const u32 ev = __byte_perm(__byte_perm(code[0], code[2], 0x0040u), __byte_perm(code[4], code[6], 0x0040u), 0x5410u);
+    const u32 od = __byte_perm(__byte_perm(code[1], code[3], 0x0040u), __byte_perm(code[5], code[7], 0x0040u), 0x5410u);
+    if constexpr (kCodec == kInt7H32) {
+        // Offset by 63 bytewise: for q in [-63, 63] the low seven bits plus 63 stay below 256,
+        // and bit 7 (set for q < 0) flipped back gives q + 63.
+        const u32 ue = ((ev & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (ev & 0x80808080u);
+        const u32 uo = ((od & 0x7f7f7f7fu) + 0x3f3f3f3fu) ^ (od & 0x80808080u);
+        const u32 he = gather_high3(ue), ho = gather_high3(uo);
+        c.lo = (ue & 0x0f0f0f0fu) | ((uo & 0x0f0f0f0fu) << 4);
+        c.hi = (he & 0xffu) | ((ho & 0xffu) << 8) | ((he >> 8) << 16) | ((ho >> 8) << 20);
+    } else {
+        c.lo = (ev & 0x0f0f0f0fu) | ((od << 4) & 0xf0f0f0f0u);   // nibbles interleaved
+    }
+    return c;
+}
+
+// Store thread t (of group grp) 's packed codes, and (the group's first lane) its scale, into
+// slice sl of S elements whose scales start at byte codes_bytes.
+template <int G, int kCodec>
+__device__ __forceinline__ void st_codes(unsigned char* sl, i64 codes_bytes, i64 t, i64 grp, i64 S,
+                                         const Codes8& c, float scale) {
+    using W = Wire<G, kCodec>;
+    reinterpret_cast<u32*>(sl)[t] = c.lo;
+    if constexpr (W::k7) {
+        reinterpret_cast<u16*>(sl + (S >> 1))[t] = (u16)(c.hi & 0xffffu);
+        sl[(S >> 1) + (S >> 2) + t] = (unsigned char)(c.hi >> 16);
+    }
+    if ((t & (W::kLanes - 1)) == 0) {
+        if constexpr (W::k7) reinterpret_cast<u16*>(sl + codes_bytes)[grp] = (u16)(fbits(scale) >> 16);
+        else reinterpret_cast<float*>(sl + codes_bytes)[grp] = scale;
+    }
+}
+
+// acc[i] += fl(q_i * scale): the decoded value of one incoming slice.
+template <int kCodec>
+__device__ __forceinline__ void add_decoded(float (&acc)[8], const Codes8& w, float scale) {
+    float q[8];
+    decode_codes<kCodec>(w, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], mul_rn(q[i], scale));
+}
+__device__ __forceinline__ void add_terms(float (&acc)[8], const float (&t)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], t[i]);
+}
+
+// Loads of wire bytes: read-only cache path, or L2 only (kPeer: written by another GPU
+// during this kernel, which the non-coherent L1/texture path may not see).
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u32(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const u32*>(p));
+    else return __ldg(reinterpret_cast<const u32*>(p));
+}
+template <bool kPeer>
+__device__ __forceinline__ float ld_wire_f32(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const float*>(p));
+    else return __ldg(reinterpret_cast<const float*>(p));
+}
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u16(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const unsigned short*>(p));
+    else return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+template <bool kPeer>
+__device__ __forceinline__ u32 ld_wire_u8(const void* p) {
+    if constexpr (kPeer) return __ldcg(reinterpret_cast<const unsigned char*>(p));
+    else return __ldg(reinterpret_cast<const unsigned char*>(p));
+}
+
+// Thread t's codes in slice sl.
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t, i64 S) {
+    Codes8 c;
+    c.lo = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
+    c.hi = 0u;
+    if constexpr (Wire<G, kCodec>::k7)
+        c.hi = ld_wire_u16<kPeer>(sl + (S >> 1) + 2 * t) | (ld_wire_u8<kPeer>(sl + (S >> 1) + (S >> 2) + t) << 16);
+    return c;
+}
+// From a slice's scales sc, for thread t of group grp: the int4 codecs' group scale (float32
+// bits); int7-h32's two bfloat16 scales of the rotation block (t / 4) as one word, the lower
+// group's in bits 0-15.
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ u32 ld_scale_bits(const unsigned char* sc, i64 t, i64 grp) {
+    if constexpr (Wire<G, kCodec>::k7) return ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sc) + (t >> 2));
+    else return fbits(ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sc) + grp));
+}
+// Thread t's scale as a float, from ld_scale_bits.
+template <int G, int kCodec>
+__device__ __forceinline__ float scale_of(u32 bits, i64 t) {
+    if constexpr (Wire<G, kCodec>::k7) return bitsf((t & 2) ? (bits & 0xffff0000u) : (bits << 16));
+    else return bitsf(bits);
+}
+// The NaN of thread t's NaN/Inf unit as float32 bits, or 0 when none of its scales is NaN:
+// the group's scale (int4 codecs), the first NaN of the block's two (int7-h32).
+template <int G, int kCodec>
+__device__ __forceinline__ u32 unit_nan(u32 bits, i64 t) {
+    if constexpr (Wire<G, kCodec>::k7) {
+        const u32 lo = bits << 16, hi = bits & 0xffff0000u;
+        return (lo & 0x7fffffffu) > 0x7f800000u ? lo : (hi & 0x7fffffffu) > 0x7f800000u ? hi : 0u;
+    } else {
+        return (bits & 0x7fffffffu) > 0x7f800000u ? bits : 0u;
+    }
+}
+
+}  // namespace echo
+
+#endif  // ECHO_CODEC_WIRE_CUH

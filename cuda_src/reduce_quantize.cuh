@@ -1,0 +1,544 @@
+// echonccl codec: reduce_quantize, the owner's sum and every quantization (contribution and owner),
+// with error feedback: the bit-exact twin of NumpyKernels.reduce_quantize.
+#ifndef ECHO_REDUCE_QUANTIZE_CUH
+#define ECHO_REDUCE_QUANTIZE_CUH
+
+#include "codec_wire.cuh"
+#include "rotation.cuh"
+
+namespace echo {
+
+// Software pipelining: load the next grid-stride chunk's own/residual while
+// computing the current one (keeps bytes in flight during the arithmetic).
+#ifndef ECHO_PREFETCH
+#define ECHO_PREFETCH 1
+#endif
+// ... and, where incoming slices are taken one at a time (the fused kernel's owner), the next
+// chunk's incoming code word and scale too (fused 1 GiB 1951 -> 1915 us on two H200s).
+#ifndef ECHO_PREFETCH_IN
+#define ECHO_PREFETCH_IN 1
+#endif
+
+// The owner of int4-h32 at G = 32 with 16-bit inputs, residuals and reference: one thread per
+// 32-element block (reduce_quantize_block32) in the standalone kernels; 0: never.
+#ifndef ECHO_BLOCK32
+#define ECHO_BLOCK32 1
+#endif
+
+// Incoming slices are consumed in batches of this many, so their loads are in flight together.
+#ifndef ECHO_IN_BATCH
+#define ECHO_IN_BATCH 4
+#endif
+constexpr int kInBatch = ECHO_IN_BATCH;
+
+// True when every residual v - ref of a group is finite by construction, so reduce_quantize may
+// skip its 8 tests: no base, and the group's amax (as bits) so small that no step overflows:
+// |fl(q * scale)| <= amax (1 + 2^-22), rotated back (int4-h32, 32 terms) <= 32 amax (1 + 2^-20),
+// rounded to RefT (float16: finite below 65504, so amax < 2^10; else amax < 2^120), rotated
+// again and subtracted from |v| <= amax: below 2^127. The caller leaves out int7-h32 (its
+// rotation block spans two groups, whose amax this thread does not see) and float32 inputs
+// (8 bytes spilled with the second path, no faster on H200: BENCHMARKS.md, eighth pass).
+template <typename RefT> struct PlainAmax { static constexpr u32 kBits = 0x7b800000u; };   // 2^120
+template <> struct PlainAmax<half_t> { static constexpr u32 kBits = 0x44800000u; };        // 2^10
+template <typename RefT>
+__device__ __forceinline__ bool plain_residual(u32 amax_bits, bool has_base) {
+    return !has_base && amax_bits < PlainAmax<RefT>::kBits;
+}
+
+// reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
+// `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
+// `base` (may be null; only read with a residual) has base_n. kCodec: the codec (`Wire`);
+// rotated ones rotate own before the sum and measure the owner's ref in the values'
+// domain, rotated back, when it is rounded or has a base.
+// The threads [t_first, t_end) of a slice (one thread = 8 elements = one code word),
+// walked with `stride`: a standalone kernel passes its grid-stride range over all S / 8
+// threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
+// scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
+// kernel's peers), as they are made.
+// kBatch: incoming slices loaded together (the fused kernel passes ECHO_FUSED_IN_BATCH = 1:
+// fewer registers and spills, faster with two ranks; the standalone kernels use kInBatch).
+// kFull: every buffer holds the whole slice and is 16-byte aligned (reduce_quantize_body
+// checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
+template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
+          bool kFull>
+__device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
+                                                     ResT* __restrict__ residual,
+                                                     unsigned char* __restrict__ wire_out, i64 S,
+                                                     const RefT* __restrict__ base, i64 base_n,
+                                                     i64 t_first, i64 t_end, i64 stride,
+                                                     unsigned char* const* copies, int ncopies,
+                                                     i64 copy_off, RefT* __restrict__ out_p,
+                                                     i64 out_n) {
+    using W = Wire<G, kCodec>;
+    constexpr bool kRot = W::kRot;
+    constexpr int kLanes = W::kLanes;
+    const i64 nthreads = t_end;
+    const i64 slice_bytes = W::slice_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
+    const bool own_vec = aligned16(own);
+    const bool res_vec = residual != nullptr && aligned16(residual);
+    const int nin = (int)n_in, opos = (int)own_pos;
+
+    // With one incoming slice at a time, its code word and scale are prefetched too.
+    constexpr bool kPfIn = ECHO_PREFETCH && ECHO_PREFETCH_IN && kBatch == 1;
+    const int lb = (int)(t_first & (kRotLanes - 1));   // the lane in its rotation block, fixed
+    const u32 z16 = rot_sign_word16(lb);
+    i64 t = t_first;
+    Raw8<InT> own_next;
+    ResRaw<ResT> res_next;
+    Codes8 in_w_next{0u, 0u};
+    float in_sc_next = 0.0f;
+    if (ECHO_PREFETCH && t < nthreads) {
+        own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
+        if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
+        if (kPfIn && nin > 0) {
+            in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t, S);
+            in_sc_next = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes), t);
+        }
+    }
+    for (; t < nthreads; t += stride) {
+        const i64 e0 = t << 3;
+        const i64 grp = t / kLanes;
+
+        Raw8<InT> own_r;
+        ResRaw<ResT> res_r;
+        const Codes8 in_w = in_w_next;
+        const float in_sc = in_sc_next;
+        if (ECHO_PREFETCH) {
+            own_r = own_next;
+            res_r = res_next;
+            if (t + stride < nthreads) {
+                own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
+                if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
+                if (kPfIn && nin > 0) {
+                    in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t + stride, S);
+                    in_sc_next = scale_of<G, kCodec>(
+                        ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t + stride, (t + stride) / kLanes),
+                        t + stride);
+                }
+            }
+        } else {
+            own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
+            if (residual != nullptr) res_r = res_load<ResT, kFull>(residual, t, S, res_vec);
+        }
+        float own_v[8], res_v[8];
+        if constexpr (kRot && Traits<InT>::kBytes == 2) {   // signs on the packed pairs: 4 ops, not 8
+            const uint4 w = rot_signs16(own_r.w[0], z16);
+            unpack8_16<InT>(w, own_v);
+            rot_scale8(own_v);
+            rot_butterflies8(own_v, lb);
+        } else {
+            unpack8<InT>(own_r.w, own_v);
+            if constexpr (kRot) rot_forward8(own_v, lb);
+        }
+
+        // Terms in order, own at own_pos; acc starts at -0.0f, which makes the
+        // first addition exact (-0 + x == x for every x, signed zeros included),
+        // i.e. "the first term taken as is".
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = -0.0f;
+        for (int b0 = 0; b0 < nin; b0 += kBatch) {
+            Codes8 w[kBatch];
+            float sc[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                if (kPfIn && b0 == 0) {
+                    w[u] = in_w;
+                    sc[u] = in_sc;
+                } else if (b0 + u < nin) {
+                    const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
+                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
+                    sc[u] = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, grp), t);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                if (b0 + u < nin) {
+                    if (b0 + u == opos) add_terms(acc, own_v);
+                    add_decoded<kCodec>(acc, w[u], sc[u]);
+                }
+            }
+        }
+        if (opos >= nin) add_terms(acc, own_v);
+        if (residual != nullptr) {
+            res_unpack<ResT>(res_r, res_v);
+            add_terms(acc, res_v);
+        }
+
+        // Group amax over |v| as bits; a NaN/Inf anywhere makes it >= 0x7f800000.
+        u32 amax = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[i]));
+#pragma unroll
+        for (int off = 1; off < kLanes; off <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        const bool finite = amax < 0x7f800000u;
+
+        // q_i = clip(rint(fl(v_i / scale)), -L, L) (L = 7, int7-h32: 63) as a float (qf) and in
+        // the low bits of code[i]; q = 0 for scale == 0 and for a non-finite group.
+        float scale = bitsf(kScaleNaN);
+        float qf[8];
+        u32 code[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { qf[i] = 0.0f; code[i] = 0u; }
+        if (finite) {
+            scale = div_rn(bitsf(amax), (float)W::kLevels);
+            if constexpr (W::k7) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
+            // scale = max(amax / L, 2^-149) (int7-h32: max(trunc_bf16(amax / L), 2^-133)) for
+            // amax > 0: tiny subnormal groups must not collapse.
+            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::k7 ? 0x00010000u : 0x00000001u);
+            if (fbits(scale) >= 0x00800000u) {
+                // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
+                // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
+                // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
+                // The test is one branch for the 8 quotients (their largest deviation), taken
+                // about once in 2^12 chunks (int7-h32: 2^10).
+                const float r = rcp_rn(scale);
+                float dev = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float y = mul_rn(acc[i], r);
+                    const float m = add_rn(y, kMagic);
+                    qf[i] = sub_rn(m, kMagic);
+                    code[i] = fbits(m);
+                    dev = max_abs(dev, sub_rn(y, qf[i]));
+                }
+                if (fbits(dev) > fbits(W::kNearTie)) {   // dev >= 0: the bits order as the values
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (abs_bits(sub_rn(mul_rn(acc[i], r), qf[i])) > fbits(W::kNearTie)) {
+                            const float m = add_rn(div_rn(acc[i], scale), kMagic);
+                            qf[i] = sub_rn(m, kMagic);
+                            code[i] = fbits(m);
+                        }
+                    }
+                }
+            } else if (fbits(scale) != 0u) {
+                // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[i], scale))));
+                    qf[i] = i2f(q);
+                    code[i] = (u32)q;
+                }
+            }
+        }
+        const Codes8 packed = pack_codes<kCodec>(code);
+        st_codes<G, kCodec>(wire_out, codes_bytes, t, grp, S, packed, scale);
+        for (int c = 0; c < ncopies; ++c) st_codes<G, kCodec>(copies[c] + copy_off, codes_bytes, t, grp, S, packed, scale);
+
+        if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
+            // The decoded values fl(q * scale), in the values' domain where the output or the
+            // owner's ref needs them (rotated codecs; warp-uniform conditions: rotations need every lane).
+            constexpr bool kRound = Traits<RefT>::kBytes == 2;
+            const bool ref_in_values = kRot && (kRound || base != nullptr);
+            // Without a base the signs cancel in the ref (rotated back, rounded, rotated again:
+            // see rot_scale8), so e stays without them and only the output applies them.
+            const bool signless = kRot && kRound && base == nullptr;
+            float e[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[i] = mul_rn(qf[i], scale);
+            if (ref_in_values) {
+                rot_butterflies8(e, lb);
+                if (!signless) rot_signs8(e, lb);
+            }
+            Raw8<RefT> braw;
+            float b[8];
+            if (base != nullptr) {
+                braw = load_raw8<RefT, true, kFull>(base, e0, base_n, aligned16(base));
+                unpack8<RefT>(braw.w, b);
+            }
+            if (kOut && out_p != nullptr) {
+                // The owner's own slice of the output, as dequantize_body would decode it from the
+                // codes just made (kAcc when there is a base: the base is that output).
+                float o[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[i] = e[i];
+                if (kRot && !ref_in_values) rot_inverse8(o, lb);
+                if (signless) rot_signs8(o, lb);
+                const bool vec = aligned16(out_p);
+                // The NaN/Inf unit: the group, or (int7-h32) the rotation block of two groups.
+                bool unit_finite = finite;
+                if constexpr (W::k7) {   // every lane shuffles (no short-circuit before it)
+                    const int partner = __shfl_xor_sync(0xffffffffu, (int)finite, 2);
+                    unit_finite = finite && partner != 0;
+                }
+                if (!unit_finite) {
+                    RefT nan[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(W::k7 ? kScaleNaN : fbits(scale));
+                    store8<RefT, kFull>(out_p, e0, out_n, vec, nan);
+                } else if (base != nullptr) {
+                    RefT w[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        w[i] = abs_bits(b[i]) > 0x7f800000u ? raw_elem<RefT>(braw, i) : Traits<RefT>::from_f32(add_rn(b[i], o[i]));
+                    store8<RefT, kFull>(out_p, e0, out_n, vec, w);
+                } else {
+                    store8f<RefT, kFull>(out_p, e0, out_n, vec, o);
+                }
+            }
+            if (residual != nullptr) {
+                // residual = v - ref, ref = fl(q * scale) rounded through RefT; with a base,
+                // ref = round_RefT(base + fl(q * scale)) - base instead; non-finite -> 0.
+                if (base != nullptr) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) e[i] = add_rn(b[i], e[i]);
+                    round_through8<RefT>(e);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) e[i] = sub_rn(e[i], b[i]);
+                } else {
+                    round_through8<RefT>(e);
+                }
+                if (ref_in_values) {
+                    if (signless) rot_scale8(e);
+                    else rot_sign_scale8(e, lb);
+                    rot_butterflies8(e, lb);
+                }
+                constexpr bool kMayPlain = !W::k7 && Traits<InT>::kBytes == 2;
+                if (kMayPlain && plain_residual<RefT>(amax, base != nullptr)) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) e[i] = sub_rn(acc[i], e[i]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float d = sub_rn(acc[i], e[i]);
+                        e[i] = (finite && is_finite(d)) ? d : 0.0f;
+                    }
+                }
+                res_store<ResT, kFull>(residual, t, S, res_vec, e);
+            }
+        }
+    }
+}
+
+// ------------------------------------- int4-h32, G = 32: a whole block per thread
+// The five butterfly stages of a 32-element block held as 4 chunks of 8 (h = 8: chunk ^ 1, h = 16:
+// chunk ^ 2).
+__device__ __forceinline__ void butterflies32(float (&v)[4][8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) butterflies_in8(v[k]);
+#pragma unroll
+    for (int x = 1; x < 4; x <<= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if ((k & x) == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float a = v[k][j], b = v[k + x][j];
+                    v[k][j] = add_rn(a, b);
+                    v[k + x][j] = sub_rn(a, b);
+                }
+            }
+        }
+    }
+}
+
+// reduce_quantize_loop's owner with one thread per 32-element rotation block (= group): the
+// rotation's h = 8 and 16 stages and the group's amax stay inside the thread (no shuffle). Same
+// bits as reduce_quantize_loop (the same operations on the same operands, in the same order).
+// For the standalone kernels' owner of int4-h32 at G = 32: 16-bit input, residual and reference,
+// no base, every buffer whole and 16-byte aligned (its kFull). 128 registers (2 blocks of 256 a
+// SM): on H200 5-26% less time than reduce_quantize_loop at 64 (BENCHMARKS.md, ninth pass). Not in
+// the fused kernel: there it spills, and its other phases lose their occupancy (+16%). Units
+// [u_first, u_end) of 32 elements, walked with `stride`; no warp-wide operation.
+template <typename InT, typename ResT, typename RefT>
+__device__ __forceinline__ void reduce_quantize_block32(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                        i64 own_pos, const InT* __restrict__ own,
+                                                        ResT* __restrict__ residual,
+                                                        unsigned char* __restrict__ wire_out, i64 S,
+                                                        i64 u_first, i64 u_end, i64 stride) {
+    static_assert(Traits<InT>::kBytes == 2 && Traits<ResT>::kBytes == 2 && Traits<RefT>::kBytes == 2,
+                  "16-bit input, residual and reference");
+    using W = Wire<32, kInt4H32>;
+    const i64 slice_bytes = W::slice_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
+    const int nin = (int)n_in, opos = (int)own_pos;
+    for (i64 u = u_first; u < u_end; u += stride) {
+        const i64 e0 = u << 5;
+        uint4 own_r[4], res_r[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) own_r[k] = ldg16(own + e0 + 8 * k);
+        if (residual != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) res_r[k] = *reinterpret_cast<const uint4*>(residual + e0 + 8 * k);
+        }
+        // Incoming slice b's code words and scale, loaded two slices ahead of their use
+        // (one ahead: the owner of 4 and of 8 ranks 4-5% slower).
+        auto ld_in = [&](int b, uint4& w, float& sc) {
+            const unsigned char* sl = incoming + (i64)b * slice_bytes;
+            w = ldg16(reinterpret_cast<const uint4*>(sl) + u);
+            sc = ld_wire_f32<false>(reinterpret_cast<const float*>(sl + codes_bytes) + u);
+        };
+        uint4 w_next = make_uint4(0u, 0u, 0u, 0u), w_next2 = make_uint4(0u, 0u, 0u, 0u);
+        float sc_next = 0.0f, sc_next2 = 0.0f;
+        if (nin > 0) ld_in(0, w_next, sc_next);
+        if (nin > 1) ld_in(1, w_next2, sc_next2);
+        float own_v[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            unpack8_16<InT>(rot_signs16(own_r[k], rot_sign_word16(k)), own_v[k]);
+            rot_scale8(own_v[k]);
+        }
+        butterflies32(own_v);
+
+        // The terms in order, own at own_pos, from acc = -0 (see reduce_quantize_loop).
+        float acc[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[k][i] = -0.0f;
+        for (int b = 0; b < nin; ++b) {
+            const uint4 w = w_next;
+            const float sc = sc_next;
+            w_next = w_next2;
+            sc_next = sc_next2;
+            if (b + 2 < nin) ld_in(b + 2, w_next2, sc_next2);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (b == opos) add_terms(acc[k], own_v[k]);
+                add_decoded<kInt4H32>(acc[k], Codes8{words[k], 0u}, sc);
+            }
+        }
+        if (opos >= nin) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) add_terms(acc[k], own_v[k]);
+        }
+        if (residual != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                float r[8];
+                unpack8_16<ResT>(res_r[k], r);
+                add_terms(acc[k], r);
+            }
+        }
+
+        u32 amax = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[k][i]));
+        const bool finite = amax < 0x7f800000u;
+
+        // The quantizer of reduce_quantize_loop (see there), the 32 values at once.
+        float scale = bitsf(kScaleNaN);
+        float qf[4][8];
+        u32 code[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) { qf[k][i] = 0.0f; code[k][i] = 0u; }
+        if (finite) {
+            scale = div_rn(bitsf(amax), (float)W::kLevels);
+            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(0x00000001u);
+            if (fbits(scale) >= 0x00800000u) {
+                const float r = rcp_rn(scale);
+                float dev = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float y = mul_rn(acc[k][i], r);
+                        const float m = add_rn(y, kMagic);
+                        qf[k][i] = sub_rn(m, kMagic);
+                        code[k][i] = fbits(m);
+                        dev = max_abs(dev, sub_rn(y, qf[k][i]));
+                    }
+                if (fbits(dev) > fbits(W::kNearTie)) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            if (abs_bits(sub_rn(mul_rn(acc[k][i], r), qf[k][i])) > fbits(W::kNearTie)) {
+                                const float m = add_rn(div_rn(acc[k][i], scale), kMagic);
+                                qf[k][i] = sub_rn(m, kMagic);
+                                code[k][i] = fbits(m);
+                            }
+                        }
+                }
+            } else if (fbits(scale) != 0u) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[k][i], scale))));
+                        qf[k][i] = i2f(q);
+                        code[k][i] = (u32)q;
+                    }
+            }
+        }
+        const uint4 packed = make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
+                                        pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
+        reinterpret_cast<uint4*>(wire_out)[u] = packed;
+        reinterpret_cast<float*>(wire_out + codes_bytes)[u] = scale;
+        if (residual == nullptr) continue;
+
+        // residual = v - ref, ref = fl(q * scale) rotated back, rounded through RefT and rotated
+        // again; without the signs, which cancel (see reduce_quantize_loop).
+        float e[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[k][i] = mul_rn(qf[k][i], scale);
+        butterflies32(e);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            round_through8<RefT>(e[k]);
+            rot_scale8(e[k]);
+        }
+        butterflies32(e);
+        const bool plain = plain_residual<RefT>(amax, false);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float d = sub_rn(acc[k][i], e[k][i]);
+                e[k][i] = (plain || (finite && is_finite(d))) ? d : 0.0f;
+            }
+            store8f<ResT, true>(residual, e0 + 8 * k, 0, true, e[k]);
+        }
+    }
+}
+
+// reduce_quantize over the threads [t_first, t_end) of a slice, walked with `stride` (see
+// reduce_quantize_loop): the loop without bounds tests when every buffer holds the slice.
+// kMayBlock32 (the standalone kernels, whose t_first and stride are the grid's): the owner's
+// reduce_quantize_block32 where it applies, with the same grid over S / 32 units.
+template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
+          bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false>
+__device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
+                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
+                                                     ResT* __restrict__ residual,
+                                                     unsigned char* __restrict__ wire_out, i64 S,
+                                                     const RefT* __restrict__ base, i64 base_n,
+                                                     i64 t_first, i64 t_end, i64 stride,
+                                                     unsigned char* const* copies = nullptr, int ncopies = 0,
+                                                     i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
+                                                     i64 out_n = 0) {
+    const bool whole = aligned16(own) && own_n >= S && (residual == nullptr || aligned16(residual)) &&
+                       (base == nullptr || (aligned16(base) && base_n >= S)) &&
+                       (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
+    if constexpr (kMayBlock32 && ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
+                  sizeof(ResT) == 2 && sizeof(RefT) == 2 && !kPeer && !kOut) {
+        if (whole && base == nullptr && aligned16(incoming) && aligned16(wire_out) && ncopies == 0) {
+            reduce_quantize_block32<InT, ResT, RefT>(incoming, n_in, own_pos, own, residual, wire_out, S, t_first,
+                                                     S >> 5, stride);
+            return;
+        }
+    }
+    constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
+    if (ECHO_FULL_PATH && kTwoLoops && whole)
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
+            copies, ncopies, copy_off, out_p, out_n);
+    else
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(
+            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
+            copies, ncopies, copy_off, out_p, out_n);
+}
+
+}  // namespace echo
+
+#endif  // ECHO_REDUCE_QUANTIZE_CUH
