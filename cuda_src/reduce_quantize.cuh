@@ -45,6 +45,61 @@ __device__ __forceinline__ bool plain_residual(u32 amax_bits, bool has_base) {
     return !has_base && amax_bits < PlainAmax<RefT>::kBits;
 }
 
+// The quantizer of one group: returns its scale (NaN for a non-finite group; amax = the group's
+// largest |v| as bits, finite = amax < Inf) and q_i = clip(rint(fl(v_i / scale)), -L, L)
+// (L = 7, int7-h32: 63) of this thread's M values as floats (qf) and in the low bits of code[i];
+// q = 0 for scale == 0 and for a non-finite group.
+template <typename W, int M>
+__device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, bool finite, float (&qf)[M],
+                                                 u32 (&code)[M]) {
+    float scale = bitsf(kScaleNaN);
+#pragma unroll
+    for (int i = 0; i < M; ++i) { qf[i] = 0.0f; code[i] = 0u; }
+    if (finite) {
+        scale = div_rn(bitsf(amax), (float)W::kLevels);
+        if constexpr (W::k7) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
+        // scale = max(amax / L, 2^-149) (int7-h32: max(trunc_bf16(amax / L), 2^-133)) for
+        // amax > 0: tiny subnormal groups must not collapse.
+        if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::k7 ? 0x00010000u : 0x00000001u);
+        if (fbits(scale) >= 0x00800000u) {
+            // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
+            // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
+            // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
+            // The test is one branch for the M quotients (their largest deviation), taken
+            // about once in 2^12 chunks of 8 (int7-h32: 2^10).
+            const float r = rcp_rn(scale);
+            float dev = 0.0f;
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                const float y = mul_rn(v[i], r);
+                const float m = add_rn(y, kMagic);
+                qf[i] = sub_rn(m, kMagic);
+                code[i] = fbits(m);
+                dev = max_abs(dev, sub_rn(y, qf[i]));
+            }
+            if (fbits(dev) > fbits(W::kNearTie)) {   // dev >= 0: the bits order as the values
+#pragma unroll
+                for (int i = 0; i < M; ++i) {
+                    if (abs_bits(sub_rn(mul_rn(v[i], r), qf[i])) > fbits(W::kNearTie)) {
+                        const float m = add_rn(div_rn(v[i], scale), kMagic);
+                        qf[i] = sub_rn(m, kMagic);
+                        code[i] = fbits(m);
+                    }
+                }
+            }
+        } else if (fbits(scale) != 0u) {
+            // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(v[i], scale))));
+                qf[i] = i2f(q);
+                code[i] = (u32)q;
+            }
+        }
+    }
+    return scale;
+}
+
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
 // `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
 // `base` (may be null; only read with a residual) has base_n. kCodec: the codec (`Wire`);
@@ -175,55 +230,9 @@ __device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __rest
         for (int off = 1; off < kLanes; off <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
         const bool finite = amax < 0x7f800000u;
 
-        // q_i = clip(rint(fl(v_i / scale)), -L, L) (L = 7, int7-h32: 63) as a float (qf) and in
-        // the low bits of code[i]; q = 0 for scale == 0 and for a non-finite group.
-        float scale = bitsf(kScaleNaN);
         float qf[8];
         u32 code[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { qf[i] = 0.0f; code[i] = 0u; }
-        if (finite) {
-            scale = div_rn(bitsf(amax), (float)W::kLevels);
-            if constexpr (W::k7) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
-            // scale = max(amax / L, 2^-149) (int7-h32: max(trunc_bf16(amax / L), 2^-133)) for
-            // amax > 0: tiny subnormal groups must not collapse.
-            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::k7 ? 0x00010000u : 0x00000001u);
-            if (fbits(scale) >= 0x00800000u) {
-                // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
-                // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
-                // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
-                // The test is one branch for the 8 quotients (their largest deviation), taken
-                // about once in 2^12 chunks (int7-h32: 2^10).
-                const float r = rcp_rn(scale);
-                float dev = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float y = mul_rn(acc[i], r);
-                    const float m = add_rn(y, kMagic);
-                    qf[i] = sub_rn(m, kMagic);
-                    code[i] = fbits(m);
-                    dev = max_abs(dev, sub_rn(y, qf[i]));
-                }
-                if (fbits(dev) > fbits(W::kNearTie)) {   // dev >= 0: the bits order as the values
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        if (abs_bits(sub_rn(mul_rn(acc[i], r), qf[i])) > fbits(W::kNearTie)) {
-                            const float m = add_rn(div_rn(acc[i], scale), kMagic);
-                            qf[i] = sub_rn(m, kMagic);
-                            code[i] = fbits(m);
-                        }
-                    }
-                }
-            } else if (fbits(scale) != 0u) {
-                // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[i], scale))));
-                    qf[i] = i2f(q);
-                    code[i] = (u32)q;
-                }
-            }
-        }
+        const float scale = quantize_values<W>(acc, amax, finite, qf, code);
         const Codes8 packed = pack_codes<kCodec>(code);
         st_codes<G, kCodec>(wire_out, codes_bytes, t, grp, S, packed, scale);
         for (int c = 0; c < ncopies; ++c) st_codes<G, kCodec>(copies[c] + copy_off, codes_bytes, t, grp, S, packed, scale);
@@ -422,53 +431,11 @@ __device__ __forceinline__ void reduce_quantize_block32(const unsigned char* __r
             for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[k][i]));
         const bool finite = amax < 0x7f800000u;
 
-        // The quantizer of reduce_quantize_loop (see there), the 32 values at once.
-        float scale = bitsf(kScaleNaN);
+        // The quantizer, the 32 values at once (one tie test).
         float qf[4][8];
         u32 code[4][8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) { qf[k][i] = 0.0f; code[k][i] = 0u; }
-        if (finite) {
-            scale = div_rn(bitsf(amax), (float)W::kLevels);
-            if (amax != 0u && fbits(scale) == 0u) scale = bitsf(0x00000001u);
-            if (fbits(scale) >= 0x00800000u) {
-                const float r = rcp_rn(scale);
-                float dev = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float y = mul_rn(acc[k][i], r);
-                        const float m = add_rn(y, kMagic);
-                        qf[k][i] = sub_rn(m, kMagic);
-                        code[k][i] = fbits(m);
-                        dev = max_abs(dev, sub_rn(y, qf[k][i]));
-                    }
-                if (fbits(dev) > fbits(W::kNearTie)) {
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            if (abs_bits(sub_rn(mul_rn(acc[k][i], r), qf[k][i])) > fbits(W::kNearTie)) {
-                                const float m = add_rn(div_rn(acc[k][i], scale), kMagic);
-                                qf[k][i] = sub_rn(m, kMagic);
-                                code[k][i] = fbits(m);
-                            }
-                        }
-                }
-            } else if (fbits(scale) != 0u) {
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const int q = min(W::kLevels, max(-W::kLevels, rint_s32(div_rn(acc[k][i], scale))));
-                        qf[k][i] = i2f(q);
-                        code[k][i] = (u32)q;
-                    }
-            }
-        }
+        const float scale = quantize_values<W>(reinterpret_cast<const float (&)[32]>(acc), amax, finite,
+                                               reinterpret_cast<float (&)[32]>(qf), reinterpret_cast<u32 (&)[32]>(code));
         const uint4 packed = make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
                                         pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
         reinterpret_cast<uint4*>(wire_out)[u] = packed;
