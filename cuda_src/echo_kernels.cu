@@ -82,7 +82,8 @@
              unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
              long long base_n) {                                                                                      \
         echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC, false, false, echo::kInBatch, true>(    \
-            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n,                                 \
+            echo::RqArgs<echo::IN, echo::RES, echo::REF>{incoming, n_in, own_pos, own, own_n, residual, wire_out, S,  \
+                                                        base, base_n},                                               \
             (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \
     }
 #define ECHO_DEFINE_REDUCE_QUANTIZE(IN, RES, REF, G)                                                                 \

@@ -172,8 +172,8 @@ template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
                                               i64 j, i64 ntiles) {
     reduce_quantize_loop<T, ResT, float, G, kCodec, false, false, 1, kWhole>(
-        nullptr, 0, 0, own, own_n, res, wire, S, (const float*)nullptr, 0, j * kChunk + threadIdx.x, S >> 3,
-        ntiles * kChunk, nullptr, 0, 0, (float*)nullptr, 0);
+        RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S}, j * kChunk + threadIdx.x, S >> 3,
+        ntiles * kChunk);
 }
 template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
@@ -181,8 +181,9 @@ __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
     reduce_quantize_loop<T, ResT, T, G, kCodec, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH, kWhole>(
-        incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, j * kChunk + threadIdx.x, S >> 3,
-        ntiles * kChunk, copies, ncopies, copy_off, out, out_n);
+        RqArgs<T, ResT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, copies, ncopies, copy_off,
+                           out, out_n},
+        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
 template <typename T, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,

@@ -100,6 +100,25 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
     return scale;
 }
 
+// The buffers of one reduce_quantize (see reduce_quantize_loop), what every caller passes.
+template <typename InT, typename ResT, typename RefT>
+struct RqArgs {
+    const unsigned char* incoming;   // n_in wire slices
+    i64 n_in, own_pos;               // the own term's place among them
+    const InT* own;                  // own_n valid elements
+    i64 own_n;
+    ResT* residual;                  // null: no feedback
+    unsigned char* wire_out;         // the slice made
+    i64 S;                           // elements per slice
+    const RefT* base;                // null, or the refinement round's base (base_n elements)
+    i64 base_n;
+    unsigned char* const* copies;    // the fused kernel's: wire_out also to copies[c] + copy_off
+    int ncopies;
+    i64 copy_off;
+    RefT* out_p;                     // the fused kernel's owner: its output slice (out_n elements)
+    i64 out_n;
+};
+
 // reduce_quantize: see echonccl/kernels.py. S elements per slice, slice i of
 // `incoming` at byte i * slice_bytes(S, G); `own` has own_n valid elements;
 // `base` (may be null; only read with a residual) has base_n. kCodec: the codec (`Wire`);
@@ -116,15 +135,18 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
 // checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
           bool kFull>
-__device__ __forceinline__ void reduce_quantize_loop(const unsigned char* __restrict__ incoming, i64 n_in,
-                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
-                                                     ResT* __restrict__ residual,
-                                                     unsigned char* __restrict__ wire_out, i64 S,
-                                                     const RefT* __restrict__ base, i64 base_n,
-                                                     i64 t_first, i64 t_end, i64 stride,
-                                                     unsigned char* const* copies, int ncopies,
-                                                     i64 copy_off, RefT* __restrict__ out_p,
-                                                     i64 out_n) {
+__device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, RefT>& a, i64 t_first, i64 t_end,
+                                                     i64 stride) {
+    const unsigned char* __restrict__ incoming = a.incoming;
+    const InT* __restrict__ own = a.own;
+    ResT* __restrict__ residual = a.residual;
+    unsigned char* __restrict__ wire_out = a.wire_out;
+    const RefT* __restrict__ base = a.base;
+    RefT* __restrict__ out_p = a.out_p;
+    const i64 n_in = a.n_in, own_pos = a.own_pos, own_n = a.own_n, S = a.S, base_n = a.base_n, out_n = a.out_n;
+    unsigned char* const* copies = a.copies;
+    const int ncopies = a.ncopies;
+    const i64 copy_off = a.copy_off;
     using W = Wire<G, kCodec>;
     constexpr bool kRot = W::kRot;
     constexpr int kLanes = W::kLanes;
@@ -353,11 +375,13 @@ __device__ __forceinline__ void butterflies32(float (&v)[4][8]) {
 // the fused kernel: there it spills, and its other phases lose their occupancy (+16%). Units
 // [u_first, u_end) of 32 elements, walked with `stride`; no warp-wide operation.
 template <typename InT, typename ResT, typename RefT>
-__device__ __forceinline__ void reduce_quantize_block32(const unsigned char* __restrict__ incoming, i64 n_in,
-                                                        i64 own_pos, const InT* __restrict__ own,
-                                                        ResT* __restrict__ residual,
-                                                        unsigned char* __restrict__ wire_out, i64 S,
-                                                        i64 u_first, i64 u_end, i64 stride) {
+__device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, RefT>& a, i64 u_first, i64 u_end,
+                                                        i64 stride) {
+    const unsigned char* __restrict__ incoming = a.incoming;
+    const InT* __restrict__ own = a.own;
+    ResT* __restrict__ residual = a.residual;
+    unsigned char* __restrict__ wire_out = a.wire_out;
+    const i64 n_in = a.n_in, own_pos = a.own_pos, S = a.S;
     static_assert(Traits<InT>::kBytes == 2 && Traits<ResT>::kBytes == 2 && Traits<RefT>::kBytes == 2,
                   "16-bit input, residual and reference");
     using W = Wire<32, kInt4H32>;
@@ -475,35 +499,23 @@ __device__ __forceinline__ void reduce_quantize_block32(const unsigned char* __r
 // reduce_quantize_block32 where it applies, with the same grid over S / 32 units.
 template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
           bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false>
-__device__ __forceinline__ void reduce_quantize_body(const unsigned char* __restrict__ incoming, i64 n_in,
-                                                     i64 own_pos, const InT* __restrict__ own, i64 own_n,
-                                                     ResT* __restrict__ residual,
-                                                     unsigned char* __restrict__ wire_out, i64 S,
-                                                     const RefT* __restrict__ base, i64 base_n,
-                                                     i64 t_first, i64 t_end, i64 stride,
-                                                     unsigned char* const* copies = nullptr, int ncopies = 0,
-                                                     i64 copy_off = 0, RefT* __restrict__ out_p = nullptr,
-                                                     i64 out_n = 0) {
-    const bool whole = aligned16(own) && own_n >= S && (residual == nullptr || aligned16(residual)) &&
-                       (base == nullptr || (aligned16(base) && base_n >= S)) &&
-                       (!kOut || out_p == nullptr || (aligned16(out_p) && out_n >= S));
+__device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, RefT>& a, i64 t_first, i64 t_end,
+                                                     i64 stride) {
+    const bool whole = aligned16(a.own) && a.own_n >= a.S && (a.residual == nullptr || aligned16(a.residual)) &&
+                       (a.base == nullptr || (aligned16(a.base) && a.base_n >= a.S)) &&
+                       (!kOut || a.out_p == nullptr || (aligned16(a.out_p) && a.out_n >= a.S));
     if constexpr (kMayBlock32 && ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
                   sizeof(ResT) == 2 && sizeof(RefT) == 2 && !kPeer && !kOut) {
-        if (whole && base == nullptr && aligned16(incoming) && aligned16(wire_out) && ncopies == 0) {
-            reduce_quantize_block32<InT, ResT, RefT>(incoming, n_in, own_pos, own, residual, wire_out, S, t_first,
-                                                     S >> 5, stride);
+        if (whole && a.base == nullptr && aligned16(a.incoming) && aligned16(a.wire_out) && a.ncopies == 0) {
+            reduce_quantize_block32<InT, ResT, RefT>(a, t_first, a.S >> 5, stride);
             return;
         }
     }
     constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
     if (ECHO_FULL_PATH && kTwoLoops && whole)
-        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(
-            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
-            copies, ncopies, copy_off, out_p, out_n);
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(a, t_first, t_end, stride);
     else
-        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(
-            incoming, n_in, own_pos, own, own_n, residual, wire_out, S, base, base_n, t_first, t_end, stride,
-            copies, ncopies, copy_off, out_p, out_n);
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(a, t_first, t_end, stride);
 }
 
 }  // namespace echo
