@@ -70,10 +70,8 @@
 #define ECHO_RQ_MIN_BLOCKS_B32 2
 #endif
 #define ECHO_RQ_MINB(CODEC, IN, RES, REF, G)                                                                         \
-    ((ECHO_BLOCK32 && CODEC == 1 && G == 32 && sizeof(echo::IN) == 2 && sizeof(echo::RES) == 2 &&                    \
-      sizeof(echo::REF) == 2)                                                                                        \
-         ? ECHO_RQ_MIN_BLOCKS_B32                                                                                    \
-         : ECHO_RQ_MINB_##CODEC##_##IN)
+    ((echo::kBlock32Owner<echo::IN, echo::RES, echo::REF, G, CODEC>) ? ECHO_RQ_MIN_BLOCKS_B32                         \
+                                                                    : ECHO_RQ_MINB_##CODEC##_##IN)
 
 #define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, CODEC)                                                 \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB(CODEC, IN, RES, REF, G))                    \

@@ -100,6 +100,13 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
     return scale;
 }
 
+// The kernels whose owner runs a block a thread (reduce_quantize_block32, where the standalone
+// kernels' reduce_quantize_body finds the slice whole): int4-h32 at G = 32 with 16-bit input,
+// residual and reference. echo_kernels.cu gives these kernels their registers by it.
+template <typename InT, typename ResT, typename RefT, int G, int kCodec>
+constexpr bool kBlock32Owner = ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
+                               sizeof(ResT) == 2 && sizeof(RefT) == 2;
+
 // The buffers of one reduce_quantize (see reduce_quantize_loop), what every caller passes.
 template <typename InT, typename ResT, typename RefT>
 struct RqArgs {
@@ -504,8 +511,7 @@ __device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, Ref
     const bool whole = aligned16(a.own) && a.own_n >= a.S && (a.residual == nullptr || aligned16(a.residual)) &&
                        (a.base == nullptr || (aligned16(a.base) && a.base_n >= a.S)) &&
                        (!kOut || a.out_p == nullptr || (aligned16(a.out_p) && a.out_n >= a.S));
-    if constexpr (kMayBlock32 && ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
-                  sizeof(ResT) == 2 && sizeof(RefT) == 2 && !kPeer && !kOut) {
+    if constexpr (kMayBlock32 && kBlock32Owner<InT, ResT, RefT, G, kCodec> && !kPeer && !kOut) {
         if (whole && a.base == nullptr && aligned16(a.incoming) && aligned16(a.wire_out) && a.ncopies == 0) {
             reduce_quantize_block32<InT, ResT, RefT>(a, t_first, a.S >> 5, stride);
             return;

@@ -316,8 +316,8 @@ def test_block32_owner_grid_stride(dt, grid):
         B = layout.slice_bytes
         incoming = np.zeros(n_in * B, dtype=np.uint8)
         for i in range(n_in):
-            v = np.concatenate([adversarial_f32(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
-            NK.reduce_quantize(layout, None, 0, v.astype(dtype), None, incoming[i * B:(i + 1) * B], "float32")
+            v = np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
+            NK.reduce_quantize(layout, None, 0, v, None, incoming[i * B:(i + 1) * B], "float32")
         own = np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
         residual, _ = run_both(ck1, layout, incoming, own_pos, own, 0, residual, dtype,
                                f"block32 {dt} n_in={n_in} own_pos={own_pos}")
