@@ -34,7 +34,8 @@
 // Thread mapping: one thread = 8 consecutive elements of a slice = one 32-bit
 // word of packed codes (int7-h32: and a u16 and a byte of their high bits). A group of G elements = G/8 consecutive lanes of one
 // warp; its amax / non-finite flag is reduced with __shfl_xor_sync among them.
-// (reduce_quantize_block32, int4-h32's owner at G = 32: one thread = a 32-element block.)
+// (reduce_quantize_block32 and dequantize_block32, int4-h32 at G = 32 in the standalone kernels:
+// one thread = a 32-element block; a warp's blocks staged through shared memory, codec_base.cuh.)
 // The host guarantees S % 512 == 0 (so the thread count is a multiple of 64
 // and every warp is entirely inside or outside the grid-stride range: the
 // full-mask shuffles are safe), and 4-byte aligned wire buffers (slices start

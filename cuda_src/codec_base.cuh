@@ -239,6 +239,13 @@ __device__ __forceinline__ u32 bits16(T v);
 template <> __device__ __forceinline__ u32 bits16<half_t>(half_t v) { return v.x; }
 template <> __device__ __forceinline__ u32 bits16<bf16_t>(bf16_t v) { return v.x; }
 
+// 8 16-bit elements as stored (element 2k in the low half of word k).
+template <typename T>
+__device__ __forceinline__ uint4 pack8_16(const T (&v)[8]) {
+    return make_uint4(bits16(v[0]) | (bits16(v[1]) << 16), bits16(v[2]) | (bits16(v[3]) << 16),
+                      bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
+}
+
 // Store 8 already-converted elements [e0, e0+8) to p, only those < n (kFull: as load_raw8).
 template <typename T, bool kFull = false>
 __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&v)[8]) {
@@ -249,9 +256,7 @@ __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&
             q[0] = make_uint4(fbits(f[0]), fbits(f[1]), fbits(f[2]), fbits(f[3]));
             q[1] = make_uint4(fbits(f[4]), fbits(f[5]), fbits(f[6]), fbits(f[7]));
         } else {
-            *reinterpret_cast<uint4*>(p + e0) =
-                make_uint4(bits16(v[0]) | (bits16(v[1]) << 16), bits16(v[2]) | (bits16(v[3]) << 16),
-                           bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
+            *reinterpret_cast<uint4*>(p + e0) = pack8_16(v);
         }
     } else {
 #pragma unroll
@@ -260,19 +265,23 @@ __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&
     }
 }
 
+// 8 floats converted (nearest even) to T, as stored: Raw8<T>::kVec 16-byte words at w.
+template <typename T>
+__device__ __forceinline__ void pack8f(const float (&v)[8], uint4* w) {
+    if constexpr (Traits<T>::kBytes == 4) {
+        w[0] = make_uint4(fbits(v[0]), fbits(v[1]), fbits(v[2]), fbits(v[3]));
+        w[1] = make_uint4(fbits(v[4]), fbits(v[5]), fbits(v[6]), fbits(v[7]));
+    } else {
+        w[0] = make_uint4(Traits<T>::pack2(v[0], v[1]), Traits<T>::pack2(v[2], v[3]), Traits<T>::pack2(v[4], v[5]),
+                          Traits<T>::pack2(v[6], v[7]));
+    }
+}
+
 // Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n (kFull: as load_raw8).
 template <typename T, bool kFull = false>
 __device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
     if (kFull || (vec && e0 + 8 <= n)) {
-        if constexpr (Traits<T>::kBytes == 4) {
-            uint4* q = reinterpret_cast<uint4*>(p + e0);
-            q[0] = make_uint4(fbits(v[0]), fbits(v[1]), fbits(v[2]), fbits(v[3]));
-            q[1] = make_uint4(fbits(v[4]), fbits(v[5]), fbits(v[6]), fbits(v[7]));
-        } else {
-            *reinterpret_cast<uint4*>(p + e0) =
-                make_uint4(Traits<T>::pack2(v[0], v[1]), Traits<T>::pack2(v[2], v[3]),
-                           Traits<T>::pack2(v[4], v[5]), Traits<T>::pack2(v[6], v[7]));
-        }
+        pack8f<T>(v, reinterpret_cast<uint4*>(p + e0));
     } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -369,6 +378,92 @@ __device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const fl
     } else {
         store8f<R, kFull>(p, t << 3, S, vec, e);
     }
+}
+
+// ------------------------------------ a warp's 32-element blocks, coalesced through shared memory
+// Where a thread holds a whole block of 32 elements (N chunks of 16 bytes: N = 4 for 16-bit
+// elements, 8 for float32), a warp's 32 blocks (contiguous) go through a staging area of 32 N
+// chunks in shared memory, so that every global access instruction covers 512 contiguous bytes
+// instead of 32 chunks a block apart (partial sectors). Global side, "chunk order": lane l holds
+// chunks l + 32 m (m < N) of the warp's run; thread side, "block order": chunk k of its own block.
+// Chunk c sits in slot c ^ ((c >> 3) & (N - 1)): conflict-free in both orders. Every lane of the
+// warp calls these together; blocks from `nvalid` on are neither read nor written in memory.
+template <int N>
+__device__ __forceinline__ int stage_slot(int c) { return c ^ ((c >> 3) & (N - 1)); }
+
+// Chunk-order loads of the warp's blocks from p (its first block); plain or read-only path.
+template <int N, bool kReadOnly>
+__device__ __forceinline__ void load_chunks(const uint4* p, int nvalid, uint4 (&c)[N]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < N; ++m) {
+        const int i = lane + 32 * m;
+        c[m] = make_uint4(0u, 0u, 0u, 0u);
+        if (i / N < nvalid) c[m] = kReadOnly ? ldg16(p + i) : p[i];
+    }
+}
+
+// Chunk order (load_chunks) to block order through `stage` (32 N chunks).
+template <int N>
+__device__ __forceinline__ void chunks_to_block(uint4* stage, const uint4 (&c)[N], uint4 (&v)[N]) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < N; ++m) stage[stage_slot<N>(lane + 32 * m)] = c[m];
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = stage[stage_slot<N>(N * lane + k)];
+}
+
+// This lane's block v, stored to p (the warp's first block) in chunk order through `stage`.
+template <int N>
+__device__ __forceinline__ void store_block(uint4* stage, uint4* p, int nvalid, const uint4 (&v)[N]) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < N; ++k) stage[stage_slot<N>(N * lane + k)] = v[k];
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < N; ++m) {
+        const int i = lane + 32 * m;
+        if (i / N < nvalid) p[i] = stage[stage_slot<N>(i)];
+    }
+}
+
+// The same chunk-order run copied from global p straight into the staging area, in flight (no
+// registers) until stage_wait_block: cp.async (sm_80 and newer; older: plain loads and stores).
+template <int N>
+__device__ __forceinline__ void stage_chunks_async(uint4* stage, const uint4* p, int nvalid) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();   // the lanes are done with the stage's previous contents
+#pragma unroll
+    for (int m = 0; m < N; ++m) {
+        const int i = lane + 32 * m;
+        if (i / N < nvalid) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+            u32 dst;
+            asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(dst) : "l"(stage + stage_slot<N>(i)));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p + i) : "memory");
+#else
+            stage[stage_slot<N>(i)] = p[i];
+#endif
+        }
+    }
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// This lane's block of a run staged by stage_chunks_async, once every lane's copies have landed.
+template <int N>
+__device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[N]) {
+    const int lane = threadIdx.x & 31;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = stage[stage_slot<N>(N * lane + k)];
 }
 
 }  // namespace echo

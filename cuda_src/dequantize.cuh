@@ -99,10 +99,91 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
     }
 }
 
+// The kernels whose dequantize runs a block a thread (dequantize_block32, on whole aligned slices):
+// int4-h32 at G = 32 into 16 bits. echo_kernels.cu gives these kernels their registers by it.
+template <typename OutT, int G, int kCodec>
+constexpr bool kBlock32Dequantize = ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(OutT) == 2 &&
+                                    ECHO_BLOCK <= 512;   // the staging area is static shared memory
+
+// dequantize_loop for int4-h32 at G = 32 into 16 bits with one thread per 32-element block (= group):
+// the inverse rotation's h = 8 and 16 stages stay inside the thread (no shuffle), and the output
+// (and kAcc's prior output) goes through a warp's staging area (store_block), coalesced.
+// Same bits as dequantize_loop (the same operations on the same operands). Slice `slice` lies whole
+// in `out`, both 16-byte aligned; units [u_first - lane, S / 32) walked by whole warps with `stride`
+// (a multiple of 32).
+template <typename OutT, bool kAcc>
+__device__ __forceinline__ void dequantize_block32(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
+                                                   i64 S, i64 slice, i64 u_first, i64 stride) {
+    using W = Wire<32, kInt4H32>;
+    __shared__ uint4 stage_all[ECHO_BLOCK / 32][4 * 32];
+    uint4* stage = stage_all[threadIdx.x >> 5];
+    const int lane = threadIdx.x & 31;
+    const unsigned char* sl = wire + slice * W::slice_bytes(S);
+    const uint4* codes = reinterpret_cast<const uint4*>(sl);
+    const float* scales = reinterpret_cast<const float*>(sl + W::codes_bytes(S));
+    uint4* o = reinterpret_cast<uint4*>(out + slice * S);
+    const i64 u_end = S >> 5;
+    for (i64 u0 = u_first - lane; u0 < u_end; u0 += stride) {
+        const i64 u = u0 + lane;
+        const int nvalid = u_end - u0 < 32 ? (int)(u_end - u0) : 32;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        u32 sbits = 0u;
+        if (u < u_end) {
+            w = ldg16(codes + u);
+            sbits = fbits(__ldg(scales + u));
+        }
+        uint4 prev[4];
+        if constexpr (kAcc) {
+            load_chunks<4, false>(o + (u0 << 2), nvalid, prev);   // plain loads: this kernel writes out
+            chunks_to_block<4>(stage, prev, prev);
+        }
+        const float scale = bitsf(sbits);
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        float v[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            decode_codes<kInt4H32>(Codes8{words[k], 0u}, v[k]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[k][i] = mul_rn(v[k][i], scale);
+        }
+        butterflies32(v);
+        const u32 nan_bits = unit_nan<32, kInt4H32>(sbits, 0);
+        uint4 r[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            rot_signs8(v[k], k);
+            OutT o8[8];
+            if (nan_bits != 0u) {   // a NaN scale: a non-finite group, numpy's NaN bits
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o8[i] = Traits<OutT>::nan_of_scale(nan_bits);
+                r[k] = pack8_16(o8);
+            } else if constexpr (kAcc) {
+                const Raw8<OutT> pr{{prev[k]}};
+                float p[8];
+                unpack8<OutT>(pr.w, p);
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    o8[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(pr, i)
+                                                         : Traits<OutT>::from_f32(add_rn(p[i], v[k][i]));
+                r[k] = pack8_16(o8);
+            } else {
+                pack8f<OutT>(v[k], &r[k]);
+            }
+        }
+        store_block<4>(stage, o + (u0 << 2), nvalid, r);
+    }
+}
+
 template <typename OutT, int G, bool kAcc, int kCodec = kInt4, bool kPeer = false>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
+    if constexpr (!kPeer && kBlock32Dequantize<OutT, G, kCodec>) {
+        if (aligned16(out) && aligned16(wire) && count - slice * S >= S) {
+            dequantize_block32<OutT, kAcc>(wire, out, S, slice, t_first, stride);
+            return;
+        }
+    }
     if (ECHO_FULL_PATH && aligned16(out) && count - slice * S >= S)
         dequantize_loop<OutT, G, kAcc, kCodec, kPeer, true>(wire, out, count, S, slice, t_first, t_end, stride);
     else

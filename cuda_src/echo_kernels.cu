@@ -43,8 +43,8 @@
 #define ECHO_RQ_MIN_BLOCKS 4
 #endif
 
-// The rotated float32-input kernels need a few more registers (the owner's ref is rotated
-// back and forth next to two prefetched 32-byte chunks): 3 blocks per SM, 80 registers, no spills.
+// The rotated float32-input kernels other than the block-a-thread ones (G = 64, 128; int8 residuals)
+// need a few more registers (two prefetched 32-byte chunks): 3 blocks per SM, 80 registers, no spills.
 #ifndef ECHO_RQ_MIN_BLOCKS_H32_F32
 #define ECHO_RQ_MIN_BLOCKS_H32_F32 3
 #endif
@@ -63,15 +63,15 @@
 #define ECHO_RQ_MINB_2_bf16 ECHO_RQ_MIN_BLOCKS_I7
 #define ECHO_RQ_MINB_2_f32 ECHO_RQ_MIN_BLOCKS_I7
 
-// The owner's kernels that run one thread per 32-element block (int4-h32, G = 32, 16-bit input,
-// residual and reference: reduce_quantize.cuh's reduce_quantize_block32) hold 32 values a thread: 128
-// registers, 2 blocks per SM, no spills.
+// The kernels that run one thread per 32-element block (int4-h32, G = 32, the reference in the
+// input's dtype: reduce_quantize.cuh's kBlock32Rq) hold 32 values a thread: 128 registers, 2 blocks
+// per SM (float32 input: a few bytes spilled).
 #ifndef ECHO_RQ_MIN_BLOCKS_B32
 #define ECHO_RQ_MIN_BLOCKS_B32 2
 #endif
 #define ECHO_RQ_MINB(CODEC, IN, RES, REF, G)                                                                         \
-    ((echo::kBlock32Owner<echo::IN, echo::RES, echo::REF, G, CODEC>) ? ECHO_RQ_MIN_BLOCKS_B32                         \
-                                                                    : ECHO_RQ_MINB_##CODEC##_##IN)
+    ((echo::kBlock32Rq<echo::IN, echo::RES, echo::REF, G, CODEC>) ? ECHO_RQ_MIN_BLOCKS_B32                           \
+                                                                  : ECHO_RQ_MINB_##CODEC##_##IN)
 
 #define ECHO_DEFINE_REDUCE_QUANTIZE_AS(NAME, IN, RES, REF, G, CODEC)                                                 \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_RQ_MINB(CODEC, IN, RES, REF, G))                    \
@@ -96,13 +96,20 @@
 #ifndef ECHO_DQ_MIN_BLOCKS
 #define ECHO_DQ_MIN_BLOCKS 8
 #endif
+// The dequantize kernels that run a block a thread (int4-h32 at G = 32 into 16 bits: dequantize.cuh's
+// dequantize_block32) hold 32 values a thread: this many blocks per SM.
+#ifndef ECHO_DQ_MIN_BLOCKS_B32
+#define ECHO_DQ_MIN_BLOCKS_B32 4
+#endif
 #if ECHO_DQ_MIN_BLOCKS
-#define ECHO_DQ_BOUNDS __launch_bounds__(ECHO_BLOCK, ECHO_DQ_MIN_BLOCKS)
+#define ECHO_DQ_BOUNDS(OUT, G, CODEC)                                                                                 \
+    __launch_bounds__(ECHO_BLOCK, (echo::kBlock32Dequantize<echo::OUT, G, CODEC>) ? ECHO_DQ_MIN_BLOCKS_B32           \
+                                                                                 : ECHO_DQ_MIN_BLOCKS)
 #else
-#define ECHO_DQ_BOUNDS __launch_bounds__(ECHO_BLOCK)
+#define ECHO_DQ_BOUNDS(OUT, G, CODEC) __launch_bounds__(ECHO_BLOCK)
 #endif
 #define ECHO_DEFINE_DEQUANTIZE_AS(NAME, OUT, G, ACC, CODEC)                                                           \
-    extern "C" __global__ void ECHO_DQ_BOUNDS                                                                         \
+    extern "C" __global__ void ECHO_DQ_BOUNDS(OUT, G, CODEC)                                                          \
         NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S) {    \
         echo::dequantize_body<echo::OUT, G, ACC, CODEC>(wire, out, count, S, blockIdx.y,                              \
                                                       (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3,       \

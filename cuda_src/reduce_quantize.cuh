@@ -19,12 +19,6 @@ namespace echo {
 #define ECHO_PREFETCH_IN 1
 #endif
 
-// The owner of int4-h32 at G = 32 with 16-bit inputs, residuals and reference: one thread per
-// 32-element block (reduce_quantize_block32) in the standalone kernels; 0: never.
-#ifndef ECHO_BLOCK32
-#define ECHO_BLOCK32 1
-#endif
-
 // Incoming slices are consumed in batches of this many, so their loads are in flight together.
 #ifndef ECHO_IN_BATCH
 #define ECHO_IN_BATCH 4
@@ -100,12 +94,15 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
     return scale;
 }
 
-// The kernels whose owner runs a block a thread (reduce_quantize_block32, where the standalone
-// kernels' reduce_quantize_body finds the slice whole): int4-h32 at G = 32 with 16-bit input,
-// residual and reference. echo_kernels.cu gives these kernels their registers by it.
+// The kernels that run a block a thread (reduce_quantize_block32, where the standalone kernels'
+// reduce_quantize_body finds the slice whole): int4-h32 at G = 32 with 16-bit input and reference
+// and a 16-bit or float32 residual, or float32 input, residual and reference.
+// echo_kernels.cu gives these kernels their registers by it.
 template <typename InT, typename ResT, typename RefT, int G, int kCodec>
-constexpr bool kBlock32Owner = ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(InT) == 2 &&
-                               sizeof(ResT) == 2 && sizeof(RefT) == 2;
+constexpr bool kBlock32Rq =
+    ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && ECHO_BLOCK <= 512 &&
+    ((sizeof(InT) == 2 && sizeof(RefT) == 2 && (sizeof(ResT) == 2 || sizeof(ResT) == 4)) ||
+     (sizeof(InT) == 4 && sizeof(RefT) == 4 && sizeof(ResT) == 4));
 
 // The buffers of one reduce_quantize (see reduce_quantize_loop), what every caller passes.
 template <typename InT, typename ResT, typename RefT>
@@ -351,75 +348,87 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     }
 }
 
-// ------------------------------------- int4-h32, G = 32: a whole block per thread
-// The five butterfly stages of a 32-element block held as 4 chunks of 8 (h = 8: chunk ^ 1, h = 16:
-// chunk ^ 2).
-__device__ __forceinline__ void butterflies32(float (&v)[4][8]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) butterflies_in8(v[k]);
-#pragma unroll
-    for (int x = 1; x < 4; x <<= 1) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            if ((k & x) == 0) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float a = v[k][j], b = v[k + x][j];
-                    v[k][j] = add_rn(a, b);
-                    v[k + x][j] = sub_rn(a, b);
-                }
-            }
-        }
-    }
-}
-
-// reduce_quantize_loop's owner with one thread per 32-element rotation block (= group): the
-// rotation's h = 8 and 16 stages and the group's amax stay inside the thread (no shuffle). Same
-// bits as reduce_quantize_loop (the same operations on the same operands, in the same order).
-// For the standalone kernels' owner of int4-h32 at G = 32: 16-bit input, residual and reference,
-// no base, every buffer whole and 16-byte aligned (its kFull). 128 registers (2 blocks of 256 a
-// SM): on H200 5-26% less time than reduce_quantize_loop at 64 (BENCHMARKS.md, ninth pass). Not in
-// the fused kernel: there it spills, and its other phases lose their occupancy (+16%). Units
-// [u_first, u_end) of 32 elements, walked with `stride`; no warp-wide operation.
+// reduce_quantize_loop with one thread per 32-element rotation block (= group): the rotation's
+// h = 8 and 16 stages and the group's amax stay inside the thread (no shuffle). Same bits as
+// reduce_quantize_loop (the same operations on the same operands, in the same order). For the
+// standalone kernels of int4-h32 at G = 32 (kBlock32Rq), no base, every buffer whole and 16-byte
+// aligned (its kFull). kStage (float32 data, or bfloat16 input): the own input comes through a
+// warp's staging area and the residual is copied into it while the sum runs (codec_base.cuh:
+// load_chunks, stage_chunks_async), coalesced and in no register until it is added; float16 data
+// (each thread loads and stores its own 64 bytes) was measured faster unstaged. Incoming slices
+// are loaded kAhead slices ahead of their use. 128 registers (2 blocks of 256 a SM); the choices
+// measured on H200 in BENCHMARKS.md, ninth and tenth passes. Not in the fused kernel: there it
+// spills, and its other phases lose their occupancy (+16%). Units from u_first (kStage: its
+// warp's first) to S / 32, walked with `stride` (a multiple of 32).
+template <typename T> struct IsBf16 { static constexpr bool v = false; };
+template <> struct IsBf16<bf16_t> { static constexpr bool v = true; };
 template <typename InT, typename ResT, typename RefT>
-__device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, RefT>& a, i64 u_first, i64 u_end,
-                                                        i64 stride) {
+__device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, RefT>& a, i64 u_first, i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
     const InT* __restrict__ own = a.own;
     ResT* __restrict__ residual = a.residual;
     unsigned char* __restrict__ wire_out = a.wire_out;
     const i64 n_in = a.n_in, own_pos = a.own_pos, S = a.S;
-    static_assert(Traits<InT>::kBytes == 2 && Traits<ResT>::kBytes == 2 && Traits<RefT>::kBytes == 2,
-                  "16-bit input, residual and reference");
+    static_assert(Traits<InT>::kBytes == Traits<RefT>::kBytes && !IsI8<ResT>::v,
+                  "16-bit input and reference, or float32 input and reference; no int8 residual");
+    constexpr int ON = Traits<InT>::kBytes * 2;    // own chunks of 16 bytes a block
+    constexpr int RN = Traits<ResT>::kBytes * 2;   // residual chunks
+    constexpr int kMaxN = ON > RN ? ON : RN;
+    constexpr bool kStage = kMaxN == 8 || IsBf16<InT>::v;
+    constexpr int kAhead = RN == 8 ? 6 : 2;   // 16-bit residuals: 1 ahead 4-5% slower, 4 no faster; float32: 2-4 3-10% slower
+    __shared__ uint4 stage_all[kStage ? ECHO_BLOCK / 32 : 1][kStage ? 32 * kMaxN : 1];
+    uint4* stage = stage_all[kStage ? threadIdx.x >> 5 : 0];
     using W = Wire<32, kInt4H32>;
     const i64 slice_bytes = W::slice_bytes(S);
     const i64 codes_bytes = W::codes_bytes(S);
     const int nin = (int)n_in, opos = (int)own_pos;
-    for (i64 u = u_first; u < u_end; u += stride) {
+    const int lane = threadIdx.x & 31;
+    const i64 u_end = S >> 5;
+    for (i64 u0 = kStage ? u_first - lane : u_first; u0 < u_end; u0 += stride) {
+        const i64 u = kStage ? u0 + lane : u0;
+        const bool valid = !kStage || u < u_end;
+        const int nvalid = u_end - u0 < 32 ? (int)(u_end - u0) : 32;
         const i64 e0 = u << 5;
-        uint4 own_r[4], res_r[4];
+        uint4 own_r[ON], res_r[RN];
+        if constexpr (kStage) {
+            load_chunks<ON, true>(reinterpret_cast<const uint4*>(own) + u0 * ON, nvalid, own_r);
+        } else {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) own_r[k] = ldg16(own + e0 + 8 * k);
-        if (residual != nullptr) {
+            for (int k = 0; k < 4; ++k) own_r[k] = ldg16(own + e0 + 8 * k);
+            if (residual != nullptr) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) res_r[k] = *reinterpret_cast<const uint4*>(residual + e0 + 8 * k);
+                for (int k = 0; k < RN; ++k) res_r[k] = reinterpret_cast<const uint4*>(residual + e0)[k];
+            }
         }
-        // Incoming slice b's code words and scale, loaded two slices ahead of their use
-        // (one ahead: the owner of 4 and of 8 ranks 4-5% slower).
+        // Incoming slice b's code words and scale, loaded kAhead slices ahead of their use.
         auto ld_in = [&](int b, uint4& w, float& sc) {
             const unsigned char* sl = incoming + (i64)b * slice_bytes;
             w = ldg16(reinterpret_cast<const uint4*>(sl) + u);
             sc = ld_wire_f32<false>(reinterpret_cast<const float*>(sl + codes_bytes) + u);
         };
-        uint4 w_next = make_uint4(0u, 0u, 0u, 0u), w_next2 = make_uint4(0u, 0u, 0u, 0u);
-        float sc_next = 0.0f, sc_next2 = 0.0f;
-        if (nin > 0) ld_in(0, w_next, sc_next);
-        if (nin > 1) ld_in(1, w_next2, sc_next2);
+        uint4 w_ring[kAhead];
+        float sc_ring[kAhead];
+#pragma unroll
+        for (int j = 0; j < kAhead; ++j) {
+            w_ring[j] = make_uint4(0u, 0u, 0u, 0u);
+            sc_ring[j] = 0.0f;
+            if (valid && nin > j) ld_in(j, w_ring[j], sc_ring[j]);
+        }
+        if constexpr (kStage) {
+            chunks_to_block<ON>(stage, own_r, own_r);
+            if (residual != nullptr)
+                stage_chunks_async<RN>(stage, reinterpret_cast<const uint4*>(residual) + u0 * RN, nvalid);
+        }
         float own_v[4][8];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            unpack8_16<InT>(rot_signs16(own_r[k], rot_sign_word16(k)), own_v[k]);
-            rot_scale8(own_v[k]);
+            if constexpr (ON == 4) {   // signs on the packed pairs (see reduce_quantize_loop)
+                unpack8_16<InT>(rot_signs16(own_r[k], rot_sign_word16(k)), own_v[k]);
+                rot_scale8(own_v[k]);
+            } else {
+                unpack8<float>(own_r + 2 * k, own_v[k]);
+                rot_sign_scale8(own_v[k], k);
+            }
         }
         butterflies32(own_v);
 
@@ -430,11 +439,14 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[k][i] = -0.0f;
         for (int b = 0; b < nin; ++b) {
-            const uint4 w = w_next;
-            const float sc = sc_next;
-            w_next = w_next2;
-            sc_next = sc_next2;
-            if (b + 2 < nin) ld_in(b + 2, w_next2, sc_next2);
+            const uint4 w = w_ring[0];
+            const float sc = sc_ring[0];
+#pragma unroll
+            for (int j = 0; j + 1 < kAhead; ++j) {
+                w_ring[j] = w_ring[j + 1];
+                sc_ring[j] = sc_ring[j + 1];
+            }
+            if (valid && b + kAhead < nin) ld_in(b + kAhead, w_ring[kAhead - 1], sc_ring[kAhead - 1]);
             const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
@@ -447,10 +459,12 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
             for (int k = 0; k < 4; ++k) add_terms(acc[k], own_v[k]);
         }
         if (residual != nullptr) {
+            if constexpr (kStage) stage_wait_block<RN>(stage, res_r);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 float r[8];
-                unpack8_16<ResT>(res_r[k], r);
+                if constexpr (RN == 4) unpack8_16<ResT>(res_r[k], r);
+                else unpack8<float>(res_r + 2 * k, r);
                 add_terms(acc[k], r);
             }
         }
@@ -467,27 +481,32 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
         u32 code[4][8];
         const float scale = quantize_values<W>(reinterpret_cast<const float (&)[32]>(acc), amax, finite,
                                                reinterpret_cast<float (&)[32]>(qf), reinterpret_cast<u32 (&)[32]>(code));
-        const uint4 packed = make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
-                                        pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
-        reinterpret_cast<uint4*>(wire_out)[u] = packed;
-        reinterpret_cast<float*>(wire_out + codes_bytes)[u] = scale;
+        if (valid) {
+            reinterpret_cast<uint4*>(wire_out)[u] =
+                make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
+                           pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
+            reinterpret_cast<float*>(wire_out + codes_bytes)[u] = scale;
+        }
         if (residual == nullptr) continue;
 
-        // residual = v - ref, ref = fl(q * scale) rotated back, rounded through RefT and rotated
-        // again; without the signs, which cancel (see reduce_quantize_loop).
+        // residual = v - ref, ref = fl(q * scale); a 16-bit ref rotated back, rounded through RefT
+        // and rotated again, without the signs, which cancel (see reduce_quantize_loop).
         float e[4][8];
 #pragma unroll
         for (int k = 0; k < 4; ++k)
 #pragma unroll
             for (int i = 0; i < 8; ++i) e[k][i] = mul_rn(qf[k][i], scale);
-        butterflies32(e);
+        if constexpr (Traits<RefT>::kBytes == 2) {
+            butterflies32(e);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            round_through8<RefT>(e[k]);
-            rot_scale8(e[k]);
+            for (int k = 0; k < 4; ++k) {
+                round_through8<RefT>(e[k]);
+                rot_scale8(e[k]);
+            }
+            butterflies32(e);
         }
-        butterflies32(e);
-        const bool plain = plain_residual<RefT>(amax, false);
+        const bool plain = ON == 4 && plain_residual<RefT>(amax, false);
+        uint4 out_r[RN];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -495,14 +514,16 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
                 const float d = sub_rn(acc[k][i], e[k][i]);
                 e[k][i] = (plain || (finite && is_finite(d))) ? d : 0.0f;
             }
-            store8f<ResT, true>(residual, e0 + 8 * k, 0, true, e[k]);
+            if constexpr (kStage) pack8f<ResT>(e[k], out_r + k * (RN / 4));
+            else store8f<ResT, true>(residual, e0 + 8 * k, 0, true, e[k]);
         }
+        if constexpr (kStage) store_block<RN>(stage, reinterpret_cast<uint4*>(residual) + u0 * RN, nvalid, out_r);
     }
 }
 
 // reduce_quantize over the threads [t_first, t_end) of a slice, walked with `stride` (see
 // reduce_quantize_loop): the loop without bounds tests when every buffer holds the slice.
-// kMayBlock32 (the standalone kernels, whose t_first and stride are the grid's): the owner's
+// kMayBlock32 (the standalone kernels, whose t_first and stride are the grid's):
 // reduce_quantize_block32 where it applies, with the same grid over S / 32 units.
 template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
           bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false>
@@ -511,9 +532,9 @@ __device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, Ref
     const bool whole = aligned16(a.own) && a.own_n >= a.S && (a.residual == nullptr || aligned16(a.residual)) &&
                        (a.base == nullptr || (aligned16(a.base) && a.base_n >= a.S)) &&
                        (!kOut || a.out_p == nullptr || (aligned16(a.out_p) && a.out_n >= a.S));
-    if constexpr (kMayBlock32 && kBlock32Owner<InT, ResT, RefT, G, kCodec> && !kPeer && !kOut) {
+    if constexpr (kMayBlock32 && kBlock32Rq<InT, ResT, RefT, G, kCodec> && !kPeer && !kOut) {
         if (whole && a.base == nullptr && aligned16(a.incoming) && aligned16(a.wire_out) && a.ncopies == 0) {
-            reduce_quantize_block32<InT, ResT, RefT>(a, t_first, a.S >> 5, stride);
+            reduce_quantize_block32<InT, ResT, RefT>(a, t_first, stride);
             return;
         }
     }

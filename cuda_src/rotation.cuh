@@ -109,6 +109,35 @@ __device__ __forceinline__ uint4 rot_signs16(uint4 w, u32 z) {
     return w;
 }
 
+// ------------------------------------- int4-h32, G = 32: a whole block per thread
+// The kernels where that mapping wins (the standalone owner with a 16-bit reference,
+// reduce_quantize_block32; the standalone dequantize into 16 bits, dequantize_block32) use it
+// on whole, aligned slices; 0: never (every kernel keeps 8 elements a thread).
+#ifndef ECHO_BLOCK32
+#define ECHO_BLOCK32 1
+#endif
+
+// The five butterfly stages of a 32-element block held as 4 chunks of 8 (h = 8: chunk ^ 1, h = 16:
+// chunk ^ 2).
+__device__ __forceinline__ void butterflies32(float (&v)[4][8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) butterflies_in8(v[k]);
+#pragma unroll
+    for (int x = 1; x < 4; x <<= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if ((k & x) == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float a = v[k][j], b = v[k + x][j];
+                    v[k][j] = add_rn(a, b);
+                    v[k + x][j] = sub_rn(a, b);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace echo
 
 #endif  // ECHO_ROTATION_CUH

@@ -63,23 +63,30 @@ def test_no_spills_and_registers(checked):
     # int7-h32 and accumulating kernels spill, yet run 1-11% faster than at 40 registers or with
     # one chunk a step), and the rotated owner's 16-bit-reference kernels keep a second loop
     # for whole slices (a register; 3-4% faster than one loop without the spill).
+    # int4-h32's reduce_quantize at G = 32 with the reference in the input's dtype runs a 32-element
+    # block a thread (reduce_quantize.cuh, kBlock32Rq): no spills, but 68 bytes with float32 input
+    # (measured at 1.00-1.07x int4's time on H200, BENCHMARKS.md, tenth pass); so does its
+    # dequantize into 16 bits (dequantize_block32): no spills.
     spills = checked["spills"]
-    allowed = {n: 80 if n.startswith("echo_dequantize_") else
-               8 if n.startswith("echo_reduce_quantize_") and n.endswith("_h32") else 0 for n in spills}
+    block32 = ({f"echo_reduce_quantize_{t}_res{r}_ref{t}_g32_h32" for t in ("f16", "bf16") for r in (t, "f32")}
+               | {"echo_reduce_quantize_f32_resf32_reff32_g32_h32"})
+    dq32 = {f"echo_dequantize{a}_{t}_g32_h32" for a in ("", "_acc") for t in ("f16", "bf16")}
+    allowed = {n: 80 if n.startswith("echo_dequantize_") and n not in dq32 else
+               80 if n == "echo_reduce_quantize_f32_resf32_reff32_g32_h32" else
+               8 if n.startswith("echo_reduce_quantize_") and n.endswith("_h32") and n not in block32 else 0
+               for n in spills}
     assert all(v <= allowed[n] for n, v in spills.items()), {n: v for n, v in spills.items() if v}
     assert spills["echo_dequantize_bf16_g32_h32"] == 0 and spills["echo_reduce_quantize_bf16_resbf16_reff32_g32_h32"] == 0
     # __launch_bounds__(256) allows 255; stay well below for occupancy: 64 (4 blocks of 256 per
     # SM), except the rotated float32-input reduce_quantize and every int7-h32 reduce_quantize,
-    # built for 3 blocks per SM (80), and int4-h32's owner at G = 32 with 16-bit residual and
-    # reference, a 32-element block a thread (reduce_quantize.cuh, reduce_quantize_block32): 2 blocks (128).
+    # built for 3 blocks per SM (80), and the block-a-thread reduce_quantize: 2 blocks (128).
     regs = checked["registers"]
-    wide = {n for n in regs if n.startswith("echo_reduce_quantize_") and
+    wide = {n for n in regs if n.startswith("echo_reduce_quantize_") and n not in block32 and
             (n.endswith("_i7h32") or (n.startswith("echo_reduce_quantize_f32_") and n.endswith("_h32")))}
-    assert len(wide) == 6 + 14             # f32: float32 and int8 residuals, 3 group sizes; int7-h32
-    block32 = {f"echo_reduce_quantize_{t}_res{t}_ref{t}_g32_h32" for t in ("f16", "bf16")}
+    assert len(wide) == 5 + 14             # f32: float32 (G = 64, 128) and int8 residuals; int7-h32
     assert max(v for n, v in regs.items() if n not in wide | block32) <= 64, regs
     assert max(regs[n] for n in wide) <= 80, regs
-    assert max(regs[n] for n in block32) <= 128 and not any(spills[n] for n in block32), regs
+    assert max(regs[n] for n in block32) <= 128, regs
 
 
 @pytest.mark.nvcc

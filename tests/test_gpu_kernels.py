@@ -300,27 +300,75 @@ def test_large_slice_grid_stride(cd, grid):
     assert_same_bits(to_host(out_d), out_np, "large dequantize")
 
 
+# Slices for the block-a-thread kernels: bigger than the capped grids below, and one whose 32-element
+# blocks end in the middle of a warp (37 * 512 elements: 592 blocks = 18.5 warps).
+BLOCK32_SLICES = [1 << 18, 37 * 512]
+
+
+def adversarial_slice(rng, n: int, dtype) -> np.ndarray:
+    """n elements (a multiple of 512) of `make_own`'s adversarial groups (NaN, Inf, huge, tiny...)."""
+    return np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(-(-n // S))])[:n]
+
+
 @pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
-@pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_block32_owner_grid_stride(dt, grid):
-    """The owner of int4-h32 at G = 32 with 16-bit residual and reference runs one thread per
-    32-element block (reduce_quantize.cuh, reduce_quantize_block32) on whole aligned slices: a slice bigger
-    than its grid, adversarial own data, 1 and 3 incoming slices, fed back over calls."""
+@pytest.mark.parametrize("dt,res", [("f16", "input"), ("bf16", "input"), ("f16", "f32"), ("bf16", "f32"),
+                                    ("f32", "f32")])
+@pytest.mark.parametrize("big_s", BLOCK32_SLICES)
+def test_block32_owner_grid_stride(dt, res, grid, big_s):
+    """reduce_quantize of int4-h32 at G = 32 with the reference in the input's dtype runs one thread
+    per 32-element block (reduce_quantize.cuh, reduce_quantize_block32) on whole aligned slices, with
+    float32 data staged through shared memory: a slice bigger than its grid or ending inside a warp,
+    adversarial own data, 0, 1 and 3 incoming slices, 16-bit and float32 residuals fed back over calls."""
     ck1 = CudaKernels(**grid)
     dtype = DTYPES[dt]
     rng = np.random.default_rng(11)
-    big_s = 1 << 18
     layout = Layout(big_s * 4, 4, 32, codec="int4-h32")
-    residual = (rng.standard_normal(big_s) * 0.01).astype(dtype)
-    for n_in, own_pos in [(1, 1), (3, 0), (3, 2)]:
+    assert layout.slice_elems == big_s
+    residual = (rng.standard_normal(big_s) * 0.01).astype(dtype if res == "input" else F32)
+    for n_in, own_pos in [(0, 0), (1, 1), (3, 0), (3, 2)]:
         B = layout.slice_bytes
-        incoming = np.zeros(n_in * B, dtype=np.uint8)
+        incoming = np.zeros(n_in * B, dtype=np.uint8) if n_in else None
         for i in range(n_in):
-            v = np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
-            NK.reduce_quantize(layout, None, 0, v, None, incoming[i * B:(i + 1) * B], "float32")
-        own = np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(big_s // S)])
+            NK.reduce_quantize(layout, None, 0, adversarial_slice(rng, big_s, dtype), None,
+                               incoming[i * B:(i + 1) * B], "float32")
+        own = adversarial_slice(rng, big_s, dtype)
         residual, _ = run_both(ck1, layout, incoming, own_pos, own, 0, residual, dtype,
-                               f"block32 {dt} n_in={n_in} own_pos={own_pos}")
+                               f"block32 {dt} res={res} S={big_s} n_in={n_in} own_pos={own_pos}")
+
+
+@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("big_s", BLOCK32_SLICES)
+def test_block32_dequantize_grid_stride(dt, grid, big_s):
+    """int4-h32's dequantize at G = 32 into 16 bits runs one thread per 32-element block
+    (dequantize.cuh, dequantize_block32) on whole aligned slices, its output staged through shared
+    memory: slices bigger than the grid or ending inside a warp, NaN / Inf groups, plain and
+    accumulating (prior outputs with NaNs of several payloads); the last slice cut short and an
+    unaligned output take the 8-element loop beside it."""
+    ck1 = CudaKernels(**grid)
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([big_s, len(dt)])
+    layout = Layout(big_s * 2, 2, 32, codec="int4-h32")
+    assert layout.slice_elems == big_s
+    B = layout.slice_bytes
+    wire = np.zeros(2 * B, dtype=np.uint8)
+    for i in range(2):
+        NK.reduce_quantize(layout, None, 0, adversarial_slice(rng, big_s, dtype), None, wire[i * B:(i + 1) * B],
+                           "float32")
+    wire_d = to_dev(wire)
+    for count, off in [(2 * big_s, 0), (2 * big_s - 40, 0), (2 * big_s, 1)]:
+        for accumulate in (False, True):
+            prev = adversarial_slice(rng, 2 * big_s, dtype)[:count]
+            for i, b in zip(rng.integers(0, count, 3), [0x7c01, 0xfe00, 0x7fc0]):
+                prev[i:i + 1].view(np.uint16)[0] = b
+            want = prev.copy()
+            NK.dequantize(layout, wire, want, accumulate=accumulate)
+            big = to_dev(np.concatenate([np.full(off, 77, dtype), prev, np.full(8, 77, dtype)]))
+            ck1.dequantize(layout, wire_d, big[off:off + count], accumulate=accumulate)
+            host = to_host(big)
+            what = f"block32 dequantize {dt} S={big_s} count={count} off={off} accumulate={accumulate}"
+            assert_same_bits(host[off:off + count], want, what)
+            assert (np.concatenate([host[:off], host[off + count:]]) == dtype.type(77)).all(), what
 
 
 def test_no_allocation_and_current_stream(ck):
