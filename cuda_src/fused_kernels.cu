@@ -33,11 +33,8 @@
 // buffers (the host picks it when x and out hold P * S elements, all aligned, in round 1). Both
 // loops in one phase made ptxas spill twice as much (bf16, G = 32, int4-h32: owner 200 -> 412
 // bytes) and two H200s ran 8-32 MiB 5-25% slower (BENCHMARKS.md, seventh pass).
-// The owner's prefetch of the next chunk's incoming code word and scale (reduce_quantize.cuh) helped at 64
-// registers (1 GiB 1951 -> 1915 us, two H200s); at 80 it only adds spills (BENCHMARKS.md, eighth pass).
-#ifndef ECHO_PREFETCH_IN
-#define ECHO_PREFETCH_IN 0
-#endif
+// The owner's prefetch of the next chunk's incoming code word and scale (reduce_quantize.cuh's
+// ECHO_PREFETCH_IN) is off: at 80 registers it only adds spills (BENCHMARKS.md, eighth pass).
 #include "codec.cuh"
 
 namespace echo {

@@ -14,9 +14,11 @@ namespace echo {
 #define ECHO_PREFETCH 1
 #endif
 // ... and, where incoming slices are taken one at a time (the fused kernel's owner), the next
-// chunk's incoming code word and scale too (fused 1 GiB 1951 -> 1915 us on two H200s).
+// chunk's incoming code word and scale too: 1 GiB 1951 -> 1915 us on two H200s at 64 registers,
+// only more spills at the fused kernel's 80 (BENCHMARKS.md, eighth pass), so off (0) by default.
+// The standalone kernels take 4 slices at a time and never use it.
 #ifndef ECHO_PREFETCH_IN
-#define ECHO_PREFETCH_IN 1
+#define ECHO_PREFETCH_IN 0
 #endif
 
 // Incoming slices are consumed in batches of this many, so their loads are in flight together.

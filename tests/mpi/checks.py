@@ -378,8 +378,9 @@ def check_fused_reference():
     """The fused kernels against the CPU reference directly, without NCCL (so ranks may share a
     GPU: their IPC-mapped buffers work the same; their kernels take turns): outputs and both
     residuals bit for bit, every codec, every dtype and residual dtype, rounds 1 and 2, sizes
-    that run the general kernel and one (3 * 2^15, slices whole) that runs the `_whole` one; the
-    one-shot equals the float32 sum in rank order rounded once."""
+    that run the general kernel and two (slices whole) that run the `_whole` one: 3 * 2^15, and
+    5 * 2^12, whose slices end inside a 2048-element chunk at 4 and 8 ranks; the one-shot equals
+    the float32 sum in rank order rounded once."""
     import cupy
 
     from echonccl import fused as fz
@@ -397,7 +398,7 @@ def check_fused_reference():
         ref = echonccl.Communicator(engine="cpu", codec=codec_name)
         for dt in ("bfloat16", "float16", "float32"):
             for rdt in ("float32", "input", "int8"):
-                for n in (513, 3 * 8192 + 17, 100_003, 3 << 15):
+                for n in (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12):
                     L = Layout(n, P, ref.config.group_size, codec=codec_name)
                     fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
@@ -407,7 +408,7 @@ def check_fused_reference():
                         yc = ref.all_reduce(x, feedback=fc, algorithm="two_shot", rounds=rounds)
                         xg = to_engine(x)
                         out = cupy.empty_like(xg)
-                        assert fz._whole_slices(L, xg, out, state) == (n == 3 << 15), n
+                        assert fz._whole_slices(L, xg, out, state) == (n in (3 << 15, 5 << 12)), n
                         paths.two_shot(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
                         what = f"fused {codec_name} {dt} res={rdt} n={n} call={t}"
