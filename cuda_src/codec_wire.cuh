@@ -33,14 +33,15 @@ __device__ __forceinline__ void decode8(u32 w, float (&q)[8]) {
 }
 
 // ------------------------------------------------------------- the codecs
-// kCodec (codec.CODECS): int4, int4-h32 (rotated), int7-h32 (rotated; 7-bit codes in three
-// sections, a bfloat16 scale per 16 elements: codec.py, "int7-h32").
+// kCodec (codec.CODECS): int4, int4-h32 (rotated; a bfloat16 scale per group), int7-h32 (rotated;
+// 7-bit codes in three sections, a bfloat16 scale per 16 elements: codec.py, "int7-h32").
 constexpr int kInt4 = 0, kInt4H32 = 1, kInt7H32 = 2;
 
 template <int G, int kCodec>
 struct Wire {
     static constexpr bool kRot = kCodec != kInt4;
     static constexpr bool k7 = kCodec == kInt7H32;
+    static constexpr bool kBf16Scale = kRot;            // truncated bfloat16 scales; int4: float32
     static_assert(k7 ? G == 16 : (G == 32 || G == 64 || G == 128), "group size of the codec");
     static constexpr int kLanes = G / 8;                // lanes per group
     static constexpr int kLevels = k7 ? 63 : 7;
@@ -48,7 +49,7 @@ struct Wire {
     // shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5, < 2^-16 for |y| <= 63.5).
     static constexpr float kNearTie = k7 ? 0.5f - 1.0f / 16384.0f : 0.5f - 1.0f / 65536.0f;
     __device__ static __forceinline__ i64 codes_bytes(i64 S) { return k7 ? S - (S >> 3) : S >> 1; }
-    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + 4 * (S / G); }
+    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + (kBf16Scale ? 2 : 4) * (S / G); }
 };
 
 // A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = the u16 of bits 4-5
@@ -114,6 +115,13 @@ __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
     return c;
 }
 
+// Store group grp's scale into a slice's scales sc (a bfloat16 scale is a truncated float32 already).
+template <typename W>
+__device__ __forceinline__ void st_scale(unsigned char* sc, i64 grp, float scale) {
+    if constexpr (W::kBf16Scale) reinterpret_cast<u16*>(sc)[grp] = (u16)(fbits(scale) >> 16);
+    else reinterpret_cast<float*>(sc)[grp] = scale;
+}
+
 // Store thread t (of group grp) 's packed codes, and (the group's first lane) its scale, into
 // slice sl of S elements whose scales start at byte codes_bytes.
 template <int G, int kCodec>
@@ -125,10 +133,7 @@ __device__ __forceinline__ void st_codes(unsigned char* sl, i64 codes_bytes, i64
         reinterpret_cast<u16*>(sl + (S >> 1))[t] = (u16)(c.hi & 0xffffu);
         sl[(S >> 1) + (S >> 2) + t] = (unsigned char)(c.hi >> 16);
     }
-    if ((t & (W::kLanes - 1)) == 0) {
-        if constexpr (W::k7) reinterpret_cast<u16*>(sl + codes_bytes)[grp] = (u16)(fbits(scale) >> 16);
-        else reinterpret_cast<float*>(sl + codes_bytes)[grp] = scale;
-    }
+    if ((t & (W::kLanes - 1)) == 0) st_scale<W>(sl + codes_bytes, grp, scale);
 }
 
 // acc[i] += fl(q_i * scale): the decoded value of one incoming slice.
@@ -177,20 +182,27 @@ __device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t, i64 S
         c.hi = ld_wire_u16<kPeer>(sl + (S >> 1) + 2 * t) | (ld_wire_u8<kPeer>(sl + (S >> 1) + (S >> 2) + t) << 16);
     return c;
 }
-// From a slice's scales sc, for thread t of group grp: the int4 codecs' group scale (float32
-// bits); int7-h32's two bfloat16 scales of the rotation block (t / 4) as one word, the lower
-// group's in bits 0-15.
+// From a slice's scales sc, for thread t of group grp, the stored bits: int4's float32 group
+// scale; int4-h32's bfloat16 group scale (bits 0-15); int7-h32's two bfloat16 scales of the
+// rotation block (t / 4) as one word, the lower group's in bits 0-15. Widened to float32 only
+// by scale_of and unit_nan, at the use: a load ahead of its use (a prefetch) stays in flight.
 template <int G, int kCodec, bool kPeer>
 __device__ __forceinline__ u32 ld_scale_bits(const unsigned char* sc, i64 t, i64 grp) {
-    if constexpr (Wire<G, kCodec>::k7) return ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sc) + (t >> 2));
+    using W = Wire<G, kCodec>;
+    if constexpr (W::k7) return ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sc) + (t >> 2));
+    else if constexpr (W::kBf16Scale) return ld_wire_u16<kPeer>(reinterpret_cast<const u16*>(sc) + grp);
     else return fbits(ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sc) + grp));
 }
-// Thread t's scale as a float, from ld_scale_bits.
+// The float32 bits of thread t's scale, from ld_scale_bits.
 template <int G, int kCodec>
-__device__ __forceinline__ float scale_of(u32 bits, i64 t) {
-    if constexpr (Wire<G, kCodec>::k7) return bitsf((t & 2) ? (bits & 0xffff0000u) : (bits << 16));
-    else return bitsf(bits);
+__device__ __forceinline__ u32 scale_bits_of(u32 bits, i64 t) {
+    using W = Wire<G, kCodec>;
+    if constexpr (W::k7) return (t & 2) ? (bits & 0xffff0000u) : (bits << 16);
+    else if constexpr (W::kBf16Scale) return bits << 16;
+    else return bits;
 }
+template <int G, int kCodec>
+__device__ __forceinline__ float scale_of(u32 bits, i64 t) { return bitsf(scale_bits_of<G, kCodec>(bits, t)); }
 // The NaN of thread t's NaN/Inf unit as float32 bits, or 0 when none of its scales is NaN:
 // the group's scale (int4 codecs), the first NaN of the block's two (int7-h32).
 template <int G, int kCodec>
@@ -199,7 +211,8 @@ __device__ __forceinline__ u32 unit_nan(u32 bits, i64 t) {
         const u32 lo = bits << 16, hi = bits & 0xffff0000u;
         return (lo & 0x7fffffffu) > 0x7f800000u ? lo : (hi & 0x7fffffffu) > 0x7f800000u ? hi : 0u;
     } else {
-        return (bits & 0x7fffffffu) > 0x7f800000u ? bits : 0u;
+        const u32 b = scale_bits_of<G, kCodec>(bits, t);
+        return (b & 0x7fffffffu) > 0x7f800000u ? b : 0u;
     }
 }
 

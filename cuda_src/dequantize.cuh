@@ -120,7 +120,7 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
     const int lane = threadIdx.x & 31;
     const unsigned char* sl = wire + slice * W::slice_bytes(S);
     const uint4* codes = reinterpret_cast<const uint4*>(sl);
-    const float* scales = reinterpret_cast<const float*>(sl + W::codes_bytes(S));
+    const unsigned char* scales = sl + W::codes_bytes(S);
     uint4* o = reinterpret_cast<uint4*>(out + slice * S);
     const i64 u_end = S >> 5;
     for (i64 u0 = u_first - lane; u0 < u_end; u0 += stride) {
@@ -130,14 +130,14 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
         u32 sbits = 0u;
         if (u < u_end) {
             w = ldg16(codes + u);
-            sbits = fbits(__ldg(scales + u));
+            sbits = ld_scale_bits<32, kInt4H32, false>(scales, 0, u);
         }
         uint4 prev[4];
         if constexpr (kAcc) {
             load_chunks<4, false>(o + (u0 << 2), nvalid, prev);   // plain loads: this kernel writes out
             chunks_to_block<4>(stage, prev, prev);
         }
-        const float scale = bitsf(sbits);
+        const float scale = scale_of<32, kInt4H32>(sbits, 0);
         const u32 words[4] = {w.x, w.y, w.z, w.w};
         float v[4][8];
 #pragma unroll

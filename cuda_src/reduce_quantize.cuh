@@ -53,16 +53,17 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
     for (int i = 0; i < M; ++i) { qf[i] = 0.0f; code[i] = 0u; }
     if (finite) {
         scale = div_rn(bitsf(amax), (float)W::kLevels);
-        if constexpr (W::k7) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
-        // scale = max(amax / L, 2^-149) (int7-h32: max(trunc_bf16(amax / L), 2^-133)) for
+        if constexpr (W::kBf16Scale) scale = bitsf(fbits(scale) & 0xffff0000u);   // truncated to a bfloat16
+        // scale = max(amax / L, 2^-149) (bfloat16 scales: max(trunc_bf16(amax / L), 2^-133)) for
         // amax > 0: tiny subnormal groups must not collapse.
-        if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::k7 ? 0x00010000u : 0x00000001u);
+        if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::kBf16Scale ? 0x00010000u : 0x00000001u);
         if (fbits(scale) >= 0x00800000u) {
             // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
             // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
             // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
             // The test is one branch for the M quotients (their largest deviation), taken
-            // about once in 2^12 chunks of 8 (int7-h32: 2^10).
+            // about once in 2^12 chunks of 8 with float32 scales; bfloat16 scales (8 bits) make
+            // exact ties a few times more frequent on 16-bit data (BENCHMARKS.md, eleventh pass).
             const float r = rcp_rn(scale);
             float dev = 0.0f;
 #pragma unroll
@@ -171,13 +172,13 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
     Codes8 in_w_next{0u, 0u};
-    float in_sc_next = 0.0f;
+    u32 in_sc_next = 0u;   // stored bits, widened at the use (ld_scale_bits)
     if (ECHO_PREFETCH && t < nthreads) {
         own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
         if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
         if (kPfIn && nin > 0) {
             in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t, S);
-            in_sc_next = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes), t);
+            in_sc_next = ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes);
         }
     }
     for (; t < nthreads; t += stride) {
@@ -187,7 +188,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
         Raw8<InT> own_r;
         ResRaw<ResT> res_r;
         const Codes8 in_w = in_w_next;
-        const float in_sc = in_sc_next;
+        const float in_sc = scale_of<G, kCodec>(in_sc_next, t);
         if (ECHO_PREFETCH) {
             own_r = own_next;
             res_r = res_next;
@@ -196,9 +197,8 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                 if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
                 if (kPfIn && nin > 0) {
                     in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t + stride, S);
-                    in_sc_next = scale_of<G, kCodec>(
-                        ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t + stride, (t + stride) / kLanes),
-                        t + stride);
+                    in_sc_next = ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t + stride,
+                                                                 (t + stride) / kLanes);
                 }
             }
         } else {
@@ -403,17 +403,17 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
             }
         }
         // Incoming slice b's code words and scale, loaded kAhead slices ahead of their use.
-        auto ld_in = [&](int b, uint4& w, float& sc) {
+        auto ld_in = [&](int b, uint4& w, u32& sc) {   // sc: the stored bits (ld_scale_bits)
             const unsigned char* sl = incoming + (i64)b * slice_bytes;
             w = ldg16(reinterpret_cast<const uint4*>(sl) + u);
-            sc = ld_wire_f32<false>(reinterpret_cast<const float*>(sl + codes_bytes) + u);
+            sc = ld_scale_bits<32, kInt4H32, false>(sl + codes_bytes, 0, u);
         };
         uint4 w_ring[kAhead];
-        float sc_ring[kAhead];
+        u32 sc_ring[kAhead];
 #pragma unroll
         for (int j = 0; j < kAhead; ++j) {
             w_ring[j] = make_uint4(0u, 0u, 0u, 0u);
-            sc_ring[j] = 0.0f;
+            sc_ring[j] = 0u;
             if (valid && nin > j) ld_in(j, w_ring[j], sc_ring[j]);
         }
         if constexpr (kStage) {
@@ -442,7 +442,7 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
             for (int i = 0; i < 8; ++i) acc[k][i] = -0.0f;
         for (int b = 0; b < nin; ++b) {
             const uint4 w = w_ring[0];
-            const float sc = sc_ring[0];
+            const float sc = scale_of<32, kInt4H32>(sc_ring[0], 0);
 #pragma unroll
             for (int j = 0; j + 1 < kAhead; ++j) {
                 w_ring[j] = w_ring[j + 1];
@@ -487,7 +487,7 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
             reinterpret_cast<uint4*>(wire_out)[u] =
                 make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
                            pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
-            reinterpret_cast<float*>(wire_out + codes_bytes)[u] = scale;
+            st_scale<W>(wire_out + codes_bytes, u, scale);
         }
         if (residual == nullptr) continue;
 

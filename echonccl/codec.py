@@ -18,11 +18,11 @@ Byte layout of one slice on the wire (``slice_bytes(S, G)`` bytes)::
 * codes: element ``2i`` of the slice in the low nibble of byte ``i``, element
   ``2i+1`` in the high nibble. A nibble is a 4-bit two's-complement integer
   ``q`` in ``[-7, 7]``; the pattern ``0x8`` (-8) is never written.
-* scales: one float32 per group, in group order. float32 rather than a 16-bit
-  type so that no group can underflow (a group whose largest magnitude is
-  1e-30 keeps its values) or overflow (bf16/fp32 values up to the dtype's
-  maximum decode finite). Both sections start 16-byte aligned because ``S``
-  is a multiple of 512.
+* scales: one float32 per group, in group order (``int4-h32``: a bfloat16, see
+  "Codecs"). Formats with float32's exponent range, so that no group can
+  underflow (a group whose largest magnitude is 1e-30 keeps its values) or
+  overflow (bf16/fp32 values up to the dtype's maximum decode finite). Both
+  sections start 16-byte aligned because ``S`` is a multiple of 512.
 
 Encoding a group (all arithmetic IEEE float32, round to nearest even, no
 fused multiply-add, no approximate division)::
@@ -48,8 +48,9 @@ inputs up to any dtype's maximum decode finite.
 
 Codecs: ``int4``, ``int4-h32`` (rotated) and ``int7-h32`` (rotated, 8 bits)
 ------------------------------------------------------------------------------
-``CODECS`` names the three codecs; ``int4`` and ``int4-h32`` use the byte layout
-and the group encoding above (5 bits an element at G = 32); ``int7-h32`` is the
+``CODECS`` names the three codecs; ``int4`` uses the byte layout and the group
+encoding above (5 bits an element at G = 32); ``int4-h32`` too, except that its
+scales are bfloat16 (below: 4.5 bits an element at G = 32); ``int7-h32`` is the
 8-bit accuracy mode described at the end of this section. ``int4`` encodes the
 values themselves. ``int4-h32`` runs the
 whole all-reduce in a rotated domain: every block of ``ROT_BLOCK`` = 32
@@ -81,6 +82,18 @@ the scale's NaN in every element, as with ``int4``. Limit: decoded groups
 holding magnitudes near the float32 maximum (above about 2**126, 8.5e37) may
 overflow in the inverse transform and come out +-Inf or NaN (NaN payload then
 unspecified); bfloat16/float16/float32 values below that are unaffected.
+
+``int4-h32``'s scales: the group's scale is ``amax / 7`` *truncated* to a bfloat16, at
+least 2**-133 (bfloat16's smallest subnormal), stored as the high 16 bits of the float32
+(``[ codes: S/2 bytes ][ scales: S/G bfloat16 ]``), a non-finite group's as 0x7FC0::
+
+    scale = 0                                         if amax == 0
+          = max(trunc_bf16(fl(amax / 7)), 2**-133)    otherwise
+
+(``trunc_bf16`` as for ``int7-h32`` below). bfloat16 has float32's exponent range, so no
+group underflows or overflows; truncating keeps ``|q * scale| <= amax`` and ``|v / scale|``
+below 7.06 for a normal scale, so no code clips there. SmolLM2-135M: no loss against float32
+scales (ACCURACY.md, section 0), at 10% fewer wire bytes.
 
 The owner's residual is measured in the rotated domain: for a float32 output
 without a base, ``ref = fl(q * scale)`` (the rotated decoded value, as with
@@ -160,7 +173,7 @@ QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
 _GROUPS = {"int4": GROUP_SIZES, "int4-h32": GROUP_SIZES, "int7-h32": (16,)}
 _LEVELS = {"int4": QMAX, "int4-h32": QMAX, "int7-h32": 63}
-_BF16_SCALE = np.dtype("<u2")     # int7-h32's scales: the high half of a float32
+_BF16_SCALE = np.dtype("<u2")     # the rotated codecs' scales: the high half of a float32
 RESIDUAL_FORMATS = ("float32", "input", "int8")
 RES_BLOCK = 32              # elements per exponent byte of the int8 residual format
 RES_SUPER = 512             # elements per (mantissas, exponents) record of it
@@ -204,6 +217,12 @@ def rotated(codec: str) -> bool:
 def wide(codec: str) -> bool:
     """Whether ``codec`` is ``int7-h32`` (7-bit codes, bfloat16 scales)."""
     return check_codec(codec) == "int7-h32"
+
+
+def bf16_scales(codec: str) -> bool:
+    """Whether ``codec``'s scales are truncated to bfloat16 on the wire (the rotated codecs);
+    ``int4``'s are float32."""
+    return rotated(codec)
 
 
 def unit_size(codec: str, group: int) -> int:
@@ -261,7 +280,8 @@ def slice_bytes(slice_elems: int, group: int, codec: str = "int4") -> int:
         raise ValueError(f"slice of {slice_elems} elements is not a multiple of {SLICE_QUANTUM}")
     if wide(codec):
         return slice_elems                     # 7 bits of code + 16 bits of scale per 16
-    return slice_elems // 2 + SCALE_DTYPE.itemsize * (slice_elems // group)
+    scale_bytes = _BF16_SCALE.itemsize if bf16_scales(codec) else SCALE_DTYPE.itemsize
+    return slice_elems // 2 + scale_bytes * (slice_elems // group)
 
 
 _MIN_BF16_SCALE = np.uint32(0x00010000)    # 2**-133
@@ -280,7 +300,7 @@ def quantize_groups(v: np.ndarray, group: int, codec: str = "int4") -> tuple[np.
     finite = np.isfinite(g).all(axis=1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         amax = np.abs(np.where(finite[:, None], g, _F32(0))).max(axis=1)
-        if wide(codec):
+        if bf16_scales(codec):
             scale = _trunc_bf16((amax / levels).astype(_F32), amax > 0)
         else:
             scale = np.where(amax > 0, np.maximum(amax / levels, _MIN_SCALE), _F32(0)).astype(_F32)
@@ -345,10 +365,11 @@ def codes_bytes(slice_elems: int, codec: str = "int4") -> int:
 
 
 def write_wire(wire: np.ndarray, q: np.ndarray, scale: np.ndarray, codec: str = "int4") -> None:
-    """Store one slice's codes ``q`` and float32 scales into its wire bytes ``wire``."""
+    """Store one slice's codes ``q`` and scales (float32, already bfloat16 values for the rotated
+    codecs) into its wire bytes ``wire``."""
     n = codes_bytes(q.size, codec)
     wire[:n] = pack_codes(q, codec)
-    if wide(codec):
+    if bf16_scales(codec):
         wire[n:] = (scale.astype(_F32).view(np.uint32) >> 16).astype(_BF16_SCALE).view(np.uint8)
     else:
         wire[n:] = scale.astype(SCALE_DTYPE).view(np.uint8)
@@ -364,7 +385,7 @@ def read_wire(wire: np.ndarray, slice_elems: int, group: int,
     q = np.concatenate([unpack_codes(np.ascontiguousarray(row[:nc]), codec) for row in w]) if n else \
         np.zeros(0, np.int8)
     sc = np.ascontiguousarray(w[:, nc:]).reshape(-1)
-    if wide(codec):
+    if bf16_scales(codec):
         return q, (sc.view(_BF16_SCALE).astype(np.uint32) << 16).view(_F32)
     return q, sc.view(SCALE_DTYPE).astype(_F32)
 

@@ -37,6 +37,7 @@ def codecs() -> dict:
         "int4 G16 H16 e8m0": Codec("int4 G16 H16 e8m0", R(16), [Q(16, "e8m0")]),
         "int4 G16 H16 m3": Codec("int4 G16 H16 m3", R(16), [Q(16, "m3")]),
         "int4 G32 H32 m3": Codec("int4 G32 H32 m3", R(32), [Q(32, "m3")]),
+        "int4 G32 H32 m7": Codec("int4 G32 H32 m7", R(32), [Q(32, "m7")]),
         "int4 G32 H32 e8m0": Codec("int4 G32 H32 e8m0", R(32), [Q(32, "e8m0")]),
         "int4 G16 H16 fp32": Codec("int4 G16 H16 fp32", R(16), [Q(16)]),
         # finer groups inside the 32-point rotation, at most 5 bits an element
@@ -78,6 +79,8 @@ VARIANTS = {
     "G16 H16 m3": ("int4 G16 H16 m3", {}),
     "G16 H16 m3+flush": ("int4 G16 H16 m3", dict(flush=True)),
     "H32 m3": ("int4 G32 H32 m3", {}),
+    "H32 m7": ("int4 G32 H32 m7", {}),
+    "H32 m7+flush": ("int4 G32 H32 m7", dict(flush=True)),
     "H32 e8m0": ("int4 G32 H32 e8m0", {}),
     "G16 H16 fp32": ("int4 G16 H16 fp32", {}),
     "G16 H32 m3": ("int4 G16 H32 m3", {}),

@@ -71,6 +71,46 @@ def test_nonfinite_poisons_exactly_its_group(group, bad, dtype):
     assert out[g].tobytes() == ref[g].tobytes()
 
 
+@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+def test_bfloat16_scales_layout_rule_and_range(group):
+    """int4-h32's scales (codec.py, "int4-h32's scales"): a bfloat16 per group after the S/2 code
+    bytes, amax / 7 truncated (at least 2**-133), 0x7FC0 for a non-finite group; decoded values
+    never exceed their group's largest magnitude, and float16's largest value stays finite."""
+    S = 1024
+    assert codec.slice_bytes(S, group, H32) == S // 2 + 2 * (S // group)
+    assert codec.slice_bytes(S, group, "int4") == S // 2 + 4 * (S // group)
+    rng = np.random.default_rng(group)
+    e = rng.integers(-149, 128, S // group)
+    v = np.clip(rng.standard_normal(S) * np.repeat(2.0 ** e, group), -3e38, 3e38).astype(np.float32)
+    v[:group] = 0
+    v[group + 3] = np.nan
+    q, scale = codec.quantize_groups(v, group, H32)
+    g = np.where(np.isfinite(v), v, 0).reshape(-1, group)
+    amax = np.abs(g).max(axis=1)
+    trunc = ((amax / np.float32(7)).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    want = np.where(amax > 0, np.maximum(trunc, np.float32(2.0 ** -133)), 0).astype(np.float32)
+    want[1] = np.nan
+    assert np.array_equal(scale, want, equal_nan=True) and np.all(np.abs(q) <= 7)
+    wire = np.zeros(codec.slice_bytes(S, group, H32), np.uint8)
+    codec.write_wire(wire, q, scale, H32)
+    bits = wire[S // 2:].view("<u2")
+    assert bits[1] == 0x7FC0 and np.array_equal(bits[2:], (want[2:].view(np.uint32) >> 16).astype(np.uint16))
+    q2, s2 = codec.read_wire(wire, S, group, H32)
+    assert np.array_equal(q2, q) and np.array_equal(s2, scale, equal_nan=True)
+    d = codec.dequantize_groups(q, scale, group).reshape(-1, group)[2:]
+    assert np.all(np.abs(d) <= amax[2:, None])
+    normal = scale[2:] >= 2.0 ** -126
+    err = np.abs(d.astype(np.float64) - g[2:])[normal]
+    assert np.all(err <= scale[2:][normal, None].astype(np.float64) * (0.5 + 2.0 ** -20))
+    L = Layout(512, 1, group, codec=H32)
+    x = np.zeros(512, np.float16)
+    x[3], x[40] = np.float16(65504), np.float16(-65504)
+    wire, out = np.zeros(L.slice_bytes, np.uint8), np.zeros(512, np.float16)
+    NK.reduce_quantize(L, None, 0, x, None, wire, "float32")
+    NK.dequantize(L, wire, out)
+    assert np.isfinite(out.astype(np.float32)).all()
+
+
 def test_rotation_beats_int4_on_outliers_and_stays_within_its_bound():
     rng = np.random.default_rng(2)
     v = rng.standard_normal(1 << 14).astype(np.float32)
@@ -97,7 +137,7 @@ def test_owner_residual_is_what_the_output_holds_rotated(dtype):
     rng = np.random.default_rng(3)
     inc = np.zeros(L.slice_bytes, np.uint8)
     NK.reduce_quantize(L, None, 0, (rng.standard_normal(1024) * 1e-2).astype(np.float32), None, inc, np.float32)
-    acc = codec.decode(inc, 1024, 32)
+    acc = codec.decode(inc, 1024, 32, H32)
     for base in (None, (rng.standard_normal(1024) * 30).astype(dtype)):
         res = np.zeros(1024, np.float32)
         wire = np.zeros(L.slice_bytes, np.uint8)
@@ -106,7 +146,7 @@ def test_owner_residual_is_what_the_output_holds_rotated(dtype):
         out = b.copy()
         NK.dequantize(L, wire, out, accumulate=True)
         added = out.astype(np.float32) - b.astype(np.float32)
-        want = acc - (codec.decode(wire, 1024, 32) if base is None and dtype == np.float32
+        want = acc - (codec.decode(wire, 1024, 32, H32) if base is None and dtype == np.float32
                       else codec.rotate(added))
         assert np.array_equal(res, want)
 
@@ -118,7 +158,7 @@ def test_accumulate_adds_the_unrotated_sum_once(dtype):
     v = rng.standard_normal(1024).astype(np.float32)
     wire = np.zeros(L.slice_bytes, np.uint8)
     NK.reduce_quantize(L, None, 0, v, None, wire, np.float32)
-    decoded = codec.unrotate(codec.decode(wire, 1024, 32))
+    decoded = codec.unrotate(codec.decode(wire, 1024, 32, H32))
     prev = rng.standard_normal(1024).astype(dtype)
     out = prev.copy()
     NK.dequantize(L, wire, out, accumulate=True)

@@ -184,6 +184,59 @@ def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
             run_both(ck, layout, incoming, own_pos, own, off, residual, ref_dtype, case)
 
 
+def tie_slices(rng, layout: Layout) -> np.ndarray:
+    """Three wire slices whose sum, in float32, lands on and near half-integers of the owner's
+    bfloat16 scale: per group a scale s (a bfloat16, 2^-110 to 2^20) and codes c1 in [1 - L, L - 1],
+    the group's first L, then c2 in {-1, 0, 1} at s / 2 (so the sum is (c1 + c2 / 2) s: exact ties, and
+    the owner's scale is s), then c3 in {-1, 0, 1} at s * 2^-20 or s * 2^-24 (quotients about
+    2^-20 or 2^-24 from a tie)."""
+    S, G, cd = layout.slice_elems, layout.group, layout.codec
+    L = 63 if codec.wide(cd) else 7
+    e = rng.integers(-110, 20, S // G).astype(np.float64)
+    s = (rng.integers(128, 256, S // G) * 2.0 ** (e - 7)).astype(np.float32)     # 8 significant bits
+    c1 = rng.integers(1 - L, L, S).astype(np.int8)                               # |sum| < L s
+    c1[::G] = L
+    c2 = rng.integers(-1, 2, S).astype(np.int8)
+    c2[::G] = 0
+    c3 = rng.integers(-1, 2, S).astype(np.int8)
+    c3[::G] = 0
+    s3 = (s * np.where(rng.random(S // G) < 0.5, 2.0 ** -20, 2.0 ** -24)).astype(np.float32)
+    B = layout.slice_bytes
+    wire = np.zeros(3 * B, np.uint8)
+    for i, (q, sc) in enumerate(((c1, s), (c2, (s / 2).astype(np.float32)), (c3, s3))):
+        codec.write_wire(wire[i * B:(i + 1) * B], q, sc, cd)
+    return wire
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("cd,group", [(c, g) for c, g in codec.codec_groups() if codec.bf16_scales(c)])
+def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
+    """8-bit scales make exact ties of the quotient v / scale common (reduce_quantize.cuh's
+    quantize_values takes its exact path for them): exact ties, quotients about 2^-20 and 2^-24
+    from one, and scales below 2^-102 must give numpy's rint(fl(v / scale)) bit for bit; owners
+    of 1-3 incoming slices, with and without their own term, residuals fed back. The data is
+    checked to hold exact and near ties."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([group, len(dt), len(cd)])
+    layout = Layout(S, 1, group, codec=cd)
+    B = layout.slice_bytes
+    incoming = tie_slices(rng, layout)
+    acc = sum(codec.decode(incoming[i * B:(i + 1) * B], S, group, cd) for i in range(3))
+    _, scale = codec.quantize_groups(acc, group, cd)
+    z = np.abs(acc.astype(np.float64) / np.repeat(scale.astype(np.float64), group))
+    frac = np.abs(z - np.floor(z) - 0.5)
+    assert (frac == 0).sum() > S // 8 and ((frac > 0) & (frac < 2.0 ** -16)).sum() > S // 64
+    assert ((frac > 0) & (frac < 2.0 ** -21)).any()
+    assert (scale[scale > 0] < 2.0 ** -102).any()
+    own = np.zeros(S, dtype)                       # an own term that adds nothing, or none (own_n = 0)
+    for rdt in (dtype, F32):
+        for n_in, own_pos, own_n in ((3, 1, 0), (2, 2, 0), (3, 0, S)):
+            res = np.zeros(S, rdt)
+            for call in range(2):
+                case = f"{cd} {dt} G={group} res={rdt.name} n_in={n_in} own_n={own_n} call={call}"
+                res, _ = run_both(ck, layout, incoming[:n_in * B], own_pos, own[:own_n], 0, res, dtype, case)
+
+
 @pytest.mark.parametrize("res", ["f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
 @pytest.mark.parametrize("cd,group", codec.codec_groups())

@@ -46,10 +46,10 @@ def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
 
 def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str = "int4"):
     """`readme_bound` plus the output's rounding (bf16's 2^-7, relative) and a few units of the
-    smallest scale (float32's smallest subnormal; int7-h32: bfloat16's, 2^-133) and the
+    smallest scale (float32's smallest subnormal; the rotated codecs': bfloat16's, 2^-133) and the
     output dtype's smallest subnormal (groups below ~1e-44 can clip to +-L)."""
     tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
-    smallest_scale = 2.0 ** -133 if codec.wide(codec_name) else 2.0 ** -149
+    smallest_scale = 2.0 ** -133 if codec.bf16_scales(codec_name) else 2.0 ** -149
     return (readme_bound(amax_sum, algo, nranks, codec_name) + np.abs(exact) * 2.0 ** -7
             + 8 * (nranks + 1) * codec_factor(codec_name) * (smallest_scale + tiny))
 

@@ -394,11 +394,16 @@ def check_fused_reference():
     def zeros(n, dt):
         return cupy.zeros(n, dtype=dt)
 
-    for codec_name in CODECS:
-        ref = echonccl.Communicator(engine="cpu", codec=codec_name)
-        for dt in ("bfloat16", "float16", "float32"):
-            for rdt in ("float32", "input", "int8"):
-                for n in (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12):
+    # every codec at its default group; int4-h32 at G = 128 too, whose bfloat16-scale slices of
+    # an odd number of 512-element quanta are only 8-byte aligned in the wire buffers
+    runs = [(c, None, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
+             (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12)) for c in CODECS]
+    runs.append(("int4-h32", 128, ("bfloat16",), ("input",), (1500 * P + 7, 3 << 15)))
+    for codec_name, group, dts, rdts, sizes in runs:
+        ref = echonccl.Communicator(engine="cpu", codec=codec_name, group_size=group)
+        for dt in dts:
+            for rdt in rdts:
+                for n in sizes:
                     L = Layout(n, P, ref.config.group_size, codec=codec_name)
                     fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
