@@ -78,6 +78,9 @@ constexpr float kMagic = 12582912.0f;  // 0x4b400000
 // Storage-only 16-bit types (same layout as __half / __nv_bfloat16).
 struct __align__(2) half_t { u16 x; };
 struct __align__(2) bf16_t { u16 x; };
+
+template <typename A, typename B> struct IsSame { static constexpr bool v = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool v = true; };
 typedef half_t f16;
 typedef bf16_t bf16;
 typedef float f32;
@@ -307,8 +310,7 @@ __device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
 // with full-mask shuffles: every lane of the warp must call it together.
 struct i8res_t { unsigned char x; };
 typedef i8res_t i8;
-template <typename R> struct IsI8 { static constexpr bool v = false; };
-template <> struct IsI8<i8res_t> { static constexpr bool v = true; };
+template <typename R> using IsI8 = IsSame<R, i8res_t>;
 constexpr i64 kResSuperBytes = 528;   // codec.RES_SUPER_BYTES
 
 __device__ __forceinline__ i64 i8_mant_off(i64 t) { return (t >> 6) * kResSuperBytes + ((t & 63) << 3); }
@@ -403,6 +405,17 @@ __device__ __forceinline__ void load_chunks(const uint4* p, int nvalid, uint4 (&
     }
 }
 
+// How many of a warp's 32 blocks, from block u0 on, lie before u_end (the `nvalid` above).
+__device__ __forceinline__ int warp_blocks(i64 u0, i64 u_end) { return u_end - u0 < 32 ? (int)(u_end - u0) : 32; }
+
+// This lane's block, read from a filled staging area (after the warp's __syncwarp).
+template <int N>
+__device__ __forceinline__ void read_block(const uint4* stage, uint4 (&v)[N]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = stage[stage_slot<N>(N * lane + k)];
+}
+
 // Chunk order (load_chunks) to block order through `stage` (32 N chunks).
 template <int N>
 __device__ __forceinline__ void chunks_to_block(uint4* stage, const uint4 (&c)[N], uint4 (&v)[N]) {
@@ -411,8 +424,7 @@ __device__ __forceinline__ void chunks_to_block(uint4* stage, const uint4 (&c)[N
 #pragma unroll
     for (int m = 0; m < N; ++m) stage[stage_slot<N>(lane + 32 * m)] = c[m];
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = stage[stage_slot<N>(N * lane + k)];
+    read_block<N>(stage, v);
 }
 
 // This lane's block v, stored to p (the warp's first block) in chunk order through `stage`.
@@ -457,13 +469,11 @@ __device__ __forceinline__ void stage_chunks_async(uint4* stage, const uint4* p,
 // This lane's block of a run staged by stage_chunks_async, once every lane's copies have landed.
 template <int N>
 __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[N]) {
-    const int lane = threadIdx.x & 31;
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = stage[stage_slot<N>(N * lane + k)];
+    read_block<N>(stage, v);
 }
 
 }  // namespace echo

@@ -125,7 +125,7 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
     const i64 u_end = S >> 5;
     for (i64 u0 = u_first - lane; u0 < u_end; u0 += stride) {
         const i64 u = u0 + lane;
-        const int nvalid = u_end - u0 < 32 ? (int)(u_end - u0) : 32;
+        const int nvalid = warp_blocks(u0, u_end);
         uint4 w = make_uint4(0u, 0u, 0u, 0u);
         u32 sbits = 0u;
         if (u < u_end) {

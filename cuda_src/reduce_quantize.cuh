@@ -362,8 +362,6 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // measured on H200 in BENCHMARKS.md, ninth and tenth passes. Not in the fused kernel: there it
 // spills, and its other phases lose their occupancy (+16%). Units from u_first (kStage: its
 // warp's first) to S / 32, walked with `stride` (a multiple of 32).
-template <typename T> struct IsBf16 { static constexpr bool v = false; };
-template <> struct IsBf16<bf16_t> { static constexpr bool v = true; };
 template <typename InT, typename ResT, typename RefT>
 __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, RefT>& a, i64 u_first, i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
@@ -376,7 +374,7 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
     constexpr int ON = Traits<InT>::kBytes * 2;    // own chunks of 16 bytes a block
     constexpr int RN = Traits<ResT>::kBytes * 2;   // residual chunks
     constexpr int kMaxN = ON > RN ? ON : RN;
-    constexpr bool kStage = kMaxN == 8 || IsBf16<InT>::v;
+    constexpr bool kStage = kMaxN == 8 || IsSame<InT, bf16_t>::v;
     constexpr int kAhead = RN == 8 ? 6 : 2;   // 16-bit residuals: 1 ahead 4-5% slower, 4 no faster; float32: 2-4 3-10% slower
     __shared__ uint4 stage_all[kStage ? ECHO_BLOCK / 32 : 1][kStage ? 32 * kMaxN : 1];
     uint4* stage = stage_all[kStage ? threadIdx.x >> 5 : 0];
@@ -389,7 +387,7 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
     for (i64 u0 = kStage ? u_first - lane : u_first; u0 < u_end; u0 += stride) {
         const i64 u = kStage ? u0 + lane : u0;
         const bool valid = !kStage || u < u_end;
-        const int nvalid = u_end - u0 < 32 ? (int)(u_end - u0) : 32;
+        const int nvalid = warp_blocks(u0, u_end);
         const i64 e0 = u << 5;
         uint4 own_r[ON], res_r[RN];
         if constexpr (kStage) {
