@@ -18,6 +18,35 @@ namespace echo {
 #define ECHO_DQ_UNROLL32 1
 #endif
 
+// The end of a decode, thread t's 8 elements at out[e0, e0 + 8) ∩ [0, count): a NaN-scale unit
+// (a non-finite unit) stored as its NaN (nan_bits, numpy's bits); decoded values v stored, or with
+// kAcc added: out = round(float(out) + v), an out element that is NaN keeping its bits.
+template <typename OutT, bool kFull>
+__device__ __forceinline__ void store_nan8(OutT* __restrict__ out, i64 e0, i64 count, bool vec, u32 nan_bits) {
+    OutT o[8];
+    const OutT nan = Traits<OutT>::nan_of_scale(nan_bits);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = nan;
+    store8<OutT, kFull>(out, e0, count, vec, o);
+}
+template <typename OutT, bool kAcc, bool kFull>
+__device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i64 count, bool vec,
+                                              const float (&v)[8]) {
+    if constexpr (kAcc) {
+        // Plain (coherent) loads: this kernel writes `out`.
+        const Raw8<OutT> prev = load_raw8<OutT, false, kFull>(out, e0, count, vec);
+        float p[8];
+        unpack8<OutT>(prev.w, p);
+        OutT o[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            o[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(prev, i) : Traits<OutT>::from_f32(add_rn(p[i], v[i]));
+        store8<OutT, kFull>(out, e0, count, vec, o);
+    } else {
+        store8f<OutT, kFull>(out, e0, count, vec, v);
+    }
+}
+
 // dequantize: decode slice blockIdx.y of `wire` into out[y*S, y*S + S) ∩ [0, count).
 // kAcc (accumulate): out = round(float(out) + decoded) instead, except that an
 // out element that is NaN keeps its bits (a non-finite group's NaN, whatever
@@ -68,34 +97,87 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
                 rot_inverse8(v, (int)(t & (kRotLanes - 1)));
             }
             const u32 nan_bits = unit_nan<G, kCodec>(sbits[u], t);
-            if (nan_bits != 0u) {  // a NaN scale: a non-finite unit, numpy's NaN bits
-                OutT o[8];
-                const OutT nan = Traits<OutT>::nan_of_scale(nan_bits);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) o[i] = nan;
-                store8<OutT, kFull>(out, base + (t << 3), count, vec, o);
+            if (nan_bits != 0u) {  // a NaN scale: a non-finite unit
+                store_nan8<OutT, kFull>(out, base + (t << 3), count, vec, nan_bits);
             } else {
                 if constexpr (!kRot) {
                     decode_codes<kCodec>(w[u], v);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale);
                 }
-                if constexpr (kAcc) {
-                    // Plain (coherent) loads: this kernel writes `out`.
-                    const Raw8<OutT> prev = load_raw8<OutT, false, kFull>(out, base + (t << 3), count, vec);
-                    float p[8];
-                    unpack8<OutT>(prev.w, p);
-                    OutT o[8];
+                store_values8<OutT, kAcc, kFull>(out, base + (t << 3), count, vec, v);
+            }
+        }
+    }
+}
+
+// The wire parts a decode sums (dequantize with terms > 1, the one-shot quantized all-reduce):
+// part s of n at base + s * stride, each holding the same consecutive slices.
+struct Terms {
+    const unsigned char* base;
+    i64 stride;
+    int n;
+};
+
+// dequantize_loop of the sum of the parts `terms`: per element, the decoded values fl(q * scale) of
+// every part added in float32 in part order (from -0, so one part decodes as dequantize_loop does),
+// rotated back once; a unit whose scale is NaN in any part stores the first such part's NaN, and a
+// unit whose sum overflows float32 stores the NaN of the codec's NaN scale (what a two-shot owner's
+// quantizer makes of it). Same thread ranges and kFull as dequantize_loop; every lane of a warp
+// runs, whatever the codec (the rotation, the unit's overflow test).
+template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
+__device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
+                                                    i64 slice, i64 t_first, i64 t_end, i64 stride) {
+    using W = Wire<G, kCodec>;
+    constexpr int kLanes = W::kLanes;
+    constexpr int kUnitLanes = W::k7 ? kRotLanes : kLanes;   // the NaN/Inf unit: group, int7-h32's block
+    const i64 off = slice * W::slice_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
+    const i64 base = slice * S;
+    i64 nthreads = S >> 3;
+    if (count - base < S) nthreads = (count - base + 7) >> 3;
+    nthreads = (nthreads + 31) & ~(i64)31;   // whole warps: still <= S / 8 (a multiple of 64)
+    if (t_end < nthreads) nthreads = t_end;
+    const bool vec = aligned16(out);
+    for (i64 t = t_first; t < nthreads; t += stride) {
+        float acc[8];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        o[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(prev, i)
-                                                            : Traits<OutT>::from_f32(add_rn(p[i], v[i]));
-                    store8<OutT, kFull>(out, base + (t << 3), count, vec, o);
-                } else {
-                    store8f<OutT, kFull>(out, base + (t << 3), count, vec, v);
+        for (int i = 0; i < 8; ++i) acc[i] = -0.0f;
+        u32 nan_bits = 0u;
+        for (int s0 = 0; s0 < terms.n; s0 += 2) {   // two parts' loads in flight
+            Codes8 w[2];
+            u32 sbits[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                if (u == 0 || s0 + 1 < terms.n) {
+                    const unsigned char* sl = terms.base + (s0 + u) * terms.stride + off;
+                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
+                    sbits[u] = ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, t / kLanes);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                if (u == 0 || s0 + 1 < terms.n) {
+                    const float scale = scale_of<G, kCodec>(sbits[u], t);
+                    float v[8];
+                    decode_codes<kCodec>(w[u], v);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], mul_rn(v[i], scale));
+                    if (nan_bits == 0u) nan_bits = unit_nan<G, kCodec>(sbits[u], t);
                 }
             }
         }
+        u32 amax = 0u;   // >= 0x7f800000: a sum overflowed (or a part's unit is NaN)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[i]));
+#pragma unroll
+        for (int o = 1; o < kUnitLanes; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        if (nan_bits == 0u && amax >= 0x7f800000u) nan_bits = kScaleNaN;   // (a bfloat16 scale's too)
+        if constexpr (W::kRot) rot_inverse8(acc, (int)(t & (kRotLanes - 1)));
+        if (nan_bits != 0u)
+            store_nan8<OutT, kFull>(out, base + (t << 3), count, vec, nan_bits);
+        else
+            store_values8<OutT, kAcc, kFull>(out, base + (t << 3), count, vec, acc);
     }
 }
 
@@ -188,6 +270,17 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
         dequantize_loop<OutT, G, kAcc, kCodec, kPeer, true>(wire, out, count, S, slice, t_first, t_end, stride);
     else
         dequantize_loop<OutT, G, kAcc, kCodec, kPeer, false>(wire, out, count, S, slice, t_first, t_end, stride);
+}
+
+// dequantize_sum_loop without bounds tests where the slice lies whole in an aligned `out` (as
+// dequantize_body picks dequantize_loop's).
+template <typename OutT, int G, bool kAcc, int kCodec>
+__device__ __forceinline__ void dequantize_sum_body(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
+                                                    i64 slice, i64 t_first, i64 t_end, i64 stride) {
+    if (ECHO_FULL_PATH && aligned16(out) && count - slice * S >= S)
+        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, true>(terms, out, count, S, slice, t_first, t_end, stride);
+    else
+        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, false>(terms, out, count, S, slice, t_first, t_end, stride);
 }
 
 }  // namespace echo

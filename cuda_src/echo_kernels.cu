@@ -15,7 +15,9 @@
 //   echo_dequantize_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S)
 //   echo_dequantize_acc_<out>_g<G>(...same...)      out += decoded (see dequantize_body)
 //       grid.y = number of slices to decode (ceil(count / S))
-//   and the same three with the suffix _h32: the rotated codec int4-h32; and for G = 16
+//   echo_dequantize_sum[_acc]_<out>_g<G>(const uint8 *wire, Out *out, i64 count, i64 S,
+//       i64 terms, i64 term_bytes)    the sum of `terms` parts of wire (dequantize_sum_loop)
+//   and the same five with the suffix _h32: the rotated codec int4-h32; and for G = 16
 //   only, with the suffix _i7h32: the 8-bit codec int7-h32.
 //
 // with <in>, <out> in {f16, bf16, f32}; <res> in {f32, <in>, i8} (i8: the 8-bit block
@@ -124,7 +126,30 @@
     ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_##OUT##_g##G##_i7h32, OUT, G, false, 2)                                \
     ECHO_DEFINE_DEQUANTIZE_AS(echo_dequantize_acc_##OUT##_g##G##_i7h32, OUT, G, true, 2)
 
+// dequantize_sum (the one-shot quantized all-reduce's decode): 64 registers.
+#ifndef ECHO_DQS_MIN_BLOCKS
+#define ECHO_DQS_MIN_BLOCKS 4
+#endif
+#define ECHO_DEFINE_DEQUANTIZE_SUM_AS(NAME, OUT, G, ACC, CODEC)                                                       \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_DQS_MIN_BLOCKS)                                    \
+        NAME(const unsigned char* __restrict__ wire, echo::OUT* __restrict__ out, long long count, long long S,      \
+             long long terms, long long term_bytes) {                                                                 \
+        echo::dequantize_sum_body<echo::OUT, G, ACC, CODEC>(echo::Terms{wire, term_bytes, (int)terms}, out, count, S, \
+                                                          blockIdx.y, (long long)blockIdx.x * blockDim.x + threadIdx.x, \
+                                                          S >> 3, (long long)gridDim.x * blockDim.x);                 \
+    }
+#define ECHO_DEFINE_DEQUANTIZE_SUM(OUT, G)                                                                            \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_##OUT##_g##G, OUT, G, false, 0)                                \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_acc_##OUT##_g##G, OUT, G, true, 0)                             \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_##OUT##_g##G##_h32, OUT, G, false, 1)                          \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_acc_##OUT##_g##G##_h32, OUT, G, true, 1)
+#define ECHO_DEFINE_DEQUANTIZE_SUM_I7(OUT, G)                                                                         \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_##OUT##_g##G##_i7h32, OUT, G, false, 2)                        \
+    ECHO_DEFINE_DEQUANTIZE_SUM_AS(echo_dequantize_sum_acc_##OUT##_g##G##_i7h32, OUT, G, true, 2)
+
 ECHO_FOR_EACH_GROUP(ECHO_RQ_COMBOS, ECHO_DEFINE_REDUCE_QUANTIZE)
 ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE)
 ECHO_RQ_COMBOS(ECHO_DEFINE_REDUCE_QUANTIZE_I7, 16)
 ECHO_DQ_COMBOS(ECHO_DEFINE_DEQUANTIZE_I7, 16)
+ECHO_FOR_EACH_GROUP(ECHO_DQ_COMBOS, ECHO_DEFINE_DEQUANTIZE_SUM)
+ECHO_DQ_COMBOS(ECHO_DEFINE_DEQUANTIZE_SUM_I7, 16)

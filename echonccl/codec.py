@@ -252,6 +252,12 @@ def rotate(x: np.ndarray) -> np.ndarray:
         return _butterflies(u).reshape(-1)
 
 
+def rotation_flips(n: int) -> np.ndarray:
+    """The sign bits (uint32, 0x80000000 where s_i = -1) the inverse rotation XORs into
+    elements 0 .. n-1 of a slice."""
+    return np.tile(_ROT_FLIP.reshape(-1), -(-n // ROT_BLOCK))[:n]
+
+
 def unrotate(y: np.ndarray) -> np.ndarray:
     """Inverse rotation of float32 ``y`` (length a multiple of 32): butterflies, then sign flips."""
     with np.errstate(invalid="ignore", over="ignore"):

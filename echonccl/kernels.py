@@ -1,6 +1,6 @@
 """The kernel interface every engine implements (numpy: `kernels_numpy`, CUDA: `kernels_cuda`).
 
-Two operations are enough for both schedules:
+Two operations are enough for every schedule:
 
 ``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None)``
     Sum, in float32 and in this order, the decoded slices of ``incoming`` (a
@@ -25,12 +25,20 @@ Two operations are enough for both schedules:
     is ``n_in = 1, own_pos = 1``; the two-shot owner is ``n_in = P - 1,
     own_pos = rank``.
 
-``dequantize(layout, wire, out, accumulate=False)``
+``dequantize(layout, wire, out, accumulate=False, terms=1)``
     Decode the consecutive slices of ``wire`` into ``out`` (1-D, the output
     dtype, at most as long as the slices hold), rounding to nearest even.
     With ``accumulate``, add instead: ``out = round(float32(out) + decoded)``,
     where an ``out`` element that is NaN keeps its bits, unless its group's
     scale is NaN: that group is written as without ``accumulate``.
+    ``terms > 1`` (`schedules.one_shot_q`): ``wire`` is that many equal parts,
+    each the consecutive slices of one contribution; ``decoded`` is their sum,
+    the decoded values (fl(q * scale), before any inverse rotation) added in
+    float32 in part order, then rotated back once; a unit with a NaN scale in
+    any part decodes as the first such part's NaN, as with one term, and a unit
+    whose sum overflows float32 as the NaN of a NaN scale (two-shot's owner
+    would have quantized it so). A NaN that arithmetic makes (an overflow in the
+    inverse rotation; inf - inf when accumulating) is the GPU's canonical NaN.
 
 Both run in the engine's stream order (numpy: at once). Buffers stay owned
 by the caller; kernels allocate only scratch that dies with the call.
@@ -44,4 +52,4 @@ class Kernels(Protocol):
     def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype,
                         base=None) -> None: ...
 
-    def dequantize(self, layout, wire, out, accumulate: bool = False) -> None: ...
+    def dequantize(self, layout, wire, out, accumulate: bool = False, terms: int = 1) -> None: ...

@@ -76,8 +76,11 @@ def reduce_quantize_name(in_t: str, res_t: str, ref_t: str, group: int, codec_na
     return f"echo_reduce_quantize_{in_t}_res{res_t}_ref{ref_t}_g{group}{_CODEC_SUFFIX[codec_name]}"
 
 
-def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name: str = "int4") -> str:
-    return f"echo_dequantize_{'acc_' if accumulate else ''}{out_t}_g{group}{_CODEC_SUFFIX[codec_name]}"
+def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name: str = "int4",
+                    summed: bool = False) -> str:
+    """``summed``: the kernel that decodes the sum of several parts (`Kernels.dequantize`'s ``terms``)."""
+    return (f"echo_dequantize_{'sum_' if summed else ''}{'acc_' if accumulate else ''}{out_t}_g{group}"
+            f"{_CODEC_SUFFIX[codec_name]}")
 
 
 def entry_points() -> list[str]:
@@ -85,7 +88,7 @@ def entry_points() -> list[str]:
     names = []
     for c, g in codec.codec_groups():
         names += [reduce_quantize_name(i, r, f, g, c) for i, r, f in _RQ_COMBOS]
-        names += [dequantize_name(o, g, acc, c) for o in _DQ_TYPES for acc in (False, True)]
+        names += [dequantize_name(o, g, acc, c, sm) for sm in (False, True) for o in _DQ_TYPES for acc in (False, True)]
     return names
 
 
@@ -234,7 +237,7 @@ class CudaKernels:
         self.max_blocks = int(max_blocks)
         self.check = check
         self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G, codec) -> RawKernel
-        self._dq: dict = {}       # (out dtype, G, accumulate, codec) -> (RawKernel, unroll)
+        self._dq: dict = {}       # (out dtype, G, accumulate, codec, summed) -> (RawKernel, unroll)
         self._geoms: dict = {}    # (layout, device) -> Geometry
         self._sms: dict = {}      # device -> multiprocessor count
 
@@ -293,10 +296,11 @@ class CudaKernels:
         return k
 
     def _dq_kernel(self, key):
-        out_dt, group, accumulate, codec_name = key
+        out_dt, group, accumulate, codec_name, summed = key
         t = _short(out_dt)
-        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group, codec_name), accumulate, codec_name)),
-             _DQ_UNROLL[t])
+        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group, codec_name), accumulate, codec_name,
+                                            summed)),
+             1 if summed else _DQ_UNROLL[t])
         self._dq[key] = k
         return k
 
@@ -333,18 +337,23 @@ class CudaKernels:
         kern((geo.rq_blocks,), (BLOCK,), (incoming, n_in, own_pos, own, own.size, residual, wire_out, S,
                                    base, base_n))
 
-    def dequantize(self, layout, wire, out, accumulate: bool = False) -> None:
+    def dequantize(self, layout, wire, out, accumulate: bool = False, terms: int = 1) -> None:
         count = out.size
         if count == 0:
             return
         geo = self._geom(layout)
         S, B = geo.slice_elems, geo.slice_bytes
-        key = (out.dtype, geo.group, bool(accumulate), layout.codec)
+        key = (out.dtype, geo.group, bool(accumulate), layout.codec, terms > 1)
         kern, unroll = self._dq.get(key) or self._dq_kernel(key)
         n = -(-count // S)
+        part = wire.size // terms
         if self.check:
-            if n * B > wire.size or wire.data.ptr & 3:
-                raise ValueError(f"{count} outputs need {n} slices of {B} bytes in a 4-byte aligned wire")
+            if n * B > part or wire.data.ptr & 3 or (terms > 1 and part & 3):
+                raise ValueError(f"{count} outputs need {terms} part(s) of {n} slices of {B} bytes in a 4-byte "
+                                 "aligned wire")
             if count > 1 and out.strides[0] != out.itemsize:
                 raise ValueError("out must be a contiguous 1-D view")
-        kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S))
+        if terms > 1:
+            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S, terms, part))
+        else:
+            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S))

@@ -53,21 +53,60 @@ class NumpyKernels:
                     ref = codec.rotate(ref)
             residual[:] = codec.residual_of(acc, ref, residual.dtype)
 
-    def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+    def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False,
+                   terms: int = 1) -> None:
         S, G, cd = layout.slice_elems, layout.group, layout.codec
-        q, scale = codec.read_wire(wire, S, G, cd)
-        values = codec.dequantize_groups(q, scale, G)
-        nan_group, nan = codec.nan_units(scale, G, cd)
-        if codec.rotated(cd):                        # a NaN-scale unit keeps the scale's NaN bits
-            with np.errstate(invalid="ignore"):
+        part = wire.size // terms
+        values = nan_group = nan = None
+        for i in range(terms):
+            q, scale = codec.read_wire(wire[i * part:(i + 1) * part], S, G, cd)
+            v = codec.dequantize_groups(q, scale, G)
+            bad, first = codec.nan_units(scale, G, cd)
+            if values is None:
+                values, nan_group, nan = v, bad, first
+            else:                                    # float32, in term order; the first NaN unit's bits
+                with np.errstate(over="ignore", invalid="ignore"):
+                    values = values + v
+                nan = np.where(nan_group, nan, first)
+                nan_group = nan_group | bad
+        if terms > 1:                                # a unit whose sum overflowed: the codec's NaN scale
+            unit = codec.unit_size(cd, G)
+            over = np.repeat((~np.isfinite(values)).reshape(-1, unit).any(axis=1), unit) & ~nan_group
+            nan = np.where(over, _SCALE_NAN, nan)
+            nan_group = nan_group | over
+        with np.errstate(invalid="ignore"):          # a NaN-scale unit keeps the scale's NaN bits
+            if codec.rotated(cd):
                 values = np.where(nan_group, nan * _F32.type(1), codec.unrotate(values))
+            elif terms > 1:
+                values = np.where(nan_group, nan * _F32.type(1), values)
         values, nan_group = values[: out.size], nan_group[: out.size]
         with np.errstate(over="ignore", invalid="ignore"):   # beyond the output dtype's range: +-Inf, by design
-            if not accumulate:
-                out[:] = values.astype(out.dtype)
+            if not accumulate:    # (a NaN made inside the inverse rotation gets its element's sign flip)
+                flip = codec.rotation_flips(values.size) if codec.rotated(cd) else None
+                out[:] = _canonical_nans(values, values.astype(out.dtype), nan_group, flip)
                 return
-            total = (out.astype(_F32) + values).astype(out.dtype)
+            t32 = out.astype(_F32) + values
+            total = _canonical_nans(t32, t32.astype(out.dtype), nan_group)
             total[nan_group] = values[nan_group].astype(out.dtype)
             keep = np.isnan(out) & ~nan_group                # a NaN already there keeps its bits
         total[keep] = out[keep]
         out[:] = total
+
+
+_SCALE_NAN = _F32.type(np.nan)       # a non-finite group's scale (codec.quantize_groups): 0x7FC00000
+# The NaN a GPU's arithmetic makes (inf - inf: 0x7fffffff), and its conversions (cvt.rn).
+_CANONICAL_NAN = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF)}
+
+
+def _canonical_nans(f32: np.ndarray, converted: np.ndarray, nan_group: np.ndarray, flip=None) -> np.ndarray:
+    """``converted`` (float32 ``f32`` in the output dtype) with the NaNs that arithmetic made
+    (an overflow inside the inverse rotation, or an addition: inf - inf), outside the NaN-scale
+    units, as the GPU makes them: its canonical NaN (numpy's bits depend on the operation, the
+    GPU's never), in float32 with the sign bit ``flip`` (uint32 per element, or None) applied
+    after it (the rotation's signs); a 16-bit conversion makes any NaN canonical."""
+    made = np.isnan(f32) & ~nan_group
+    if made.any():
+        bits = _CANONICAL_NAN[converted.itemsize]
+        view = converted.view(bits.dtype)
+        view[made] = bits if flip is None or converted.itemsize != 4 else bits ^ flip[made]
+    return converted

@@ -43,9 +43,10 @@ def _ptx(src, *flags):
 @pytest.mark.nvcc
 def test_entry_points_match_the_list(checked):
     assert sorted(checked["entries"]) == sorted(kc.entry_points())
-    # reduce_quantize 14 (in, res, ref) x 3 groups; dequantize 3 x 3 x 2; each for the 2 int4
-    # codecs; int7-h32: one group (16) of each
-    assert len(kc.entry_points()) == 2 * (42 + 18) + (14 + 6)
+    # reduce_quantize 14 (in, res, ref) x 3 groups; dequantize and its sum of parts 3 x 3 x 2 each;
+    # each for the 2 int4 codecs; int7-h32: one group (16) of each
+    assert len(kc.entry_points()) == 2 * (42 + 18 + 18) + (14 + 6 + 6)
+    assert "echo_dequantize_sum_acc_bf16_g32_h32" in checked["entries"]
     assert "echo_reduce_quantize_bf16_resbf16_refbf16_g16_i7h32" in checked["entries"]
     assert "echo_dequantize_acc_f32_g16_i7h32" in checked["entries"]
     assert "echo_reduce_quantize_bf16_resf32_refbf16_g32" in checked["entries"]

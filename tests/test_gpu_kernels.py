@@ -326,6 +326,57 @@ def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
         assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
 
 
+@pytest.mark.parametrize("terms", [2, 3])
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("cd,group", codec.codec_groups())
+def test_dequantize_sum_matches_numpy(ck, dt, group, cd, terms):
+    """The sum of `terms` wires (one_shot_q's decode): each term's NaN, Inf, zero, subnormal and
+    huge groups at other places than the others' (a unit NaN in any term is NaN, the first
+    term's bits), written and accumulated, full, partial and unaligned."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng([group, terms, len(dt)])
+    layout = Layout(2 * S, 2, group, codec=cd)
+    wire = np.concatenate([make_incoming(rng, layout, 2, dtype) for _ in range(terms)])
+    wire_d = to_dev(wire)
+    for count, off, acc in [(2 * S, 0, False), (2 * S - 5, 0, False), (S + 1, 1, False), (1, 0, False),
+                            (2 * S, 0, True), (S + 3, 1, True)]:
+        prev = np.concatenate([make_own(rng, S, dtype, group, cd) for _ in range(2)])[:count]
+        want = prev.copy()
+        NK.dequantize(layout, wire, want, accumulate=acc, terms=terms)
+        big = to_dev(np.concatenate([np.full(off, 77, dtype), prev, np.full(4, 77, dtype)]))
+        ck.dequantize(layout, wire_d, big[off:off + count], accumulate=acc, terms=terms)
+        cupy.cuda.get_current_stream().synchronize()
+        host = to_host(big)
+        assert_same_bits(host[off:off + count], want, f"dequantize {terms} terms {cd} {dt} G={group} count={count} "
+                                                      f"acc={acc}")
+        guard = np.concatenate([host[:off], host[off + count:]])
+        assert (guard == dtype.type(77)).all(), "dequantize wrote outside out"
+    # the same huge group in every term: the float32 sum overflows (int4: a NaN group)
+    big = []
+    for _ in range(terms):
+        x = np.concatenate([make_own(rng, S, dtype, group, cd) for _ in range(2)]).astype(np.float32)
+        x[:group] = min(float(ml_dtypes.finfo(dtype).max), 2.0 ** 127)
+        part = np.zeros(2 * layout.slice_bytes, np.uint8)
+        for v in range(2):
+            NK.reduce_quantize(layout, None, 0, x[v * S:(v + 1) * S].astype(dtype), None,
+                               part[v * layout.slice_bytes:(v + 1) * layout.slice_bytes], "float32")
+        big.append(part)
+    want = np.zeros(2 * S, dtype)
+    NK.dequantize(layout, np.concatenate(big), want, terms=terms)
+    got = to_dev(np.zeros(2 * S, dtype))
+    ck.dequantize(layout, to_dev(np.concatenate(big)), got, terms=terms)
+    cupy.cuda.get_current_stream().synchronize()
+    assert_same_bits(to_host(got), want, f"dequantize {terms} terms {cd} {dt} G={group}: overflowing sum")
+    if dtype != F16 and not codec.rotated(cd):
+        assert np.isnan(want[:group].astype(F32)).all(), "an overflowing sum is not a NaN group"
+    one = np.zeros(2 * S, dtype)
+    NK.dequantize(layout, wire[:wire.size // terms], one)
+    summed = np.zeros(2 * S, dtype)
+    NK.dequantize(layout, np.concatenate([wire[:wire.size // terms], np.zeros(wire.size // terms, np.uint8)]),
+                  summed, terms=2)
+    assert np.array_equal(summed.astype(F32), one.astype(F32), equal_nan=True), "a term of zeros adds nothing"
+
+
 @pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_large_slice_grid_stride(cd, grid):

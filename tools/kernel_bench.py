@@ -83,6 +83,9 @@ def cases(elems: int, group: int, codec_name: str = "int4", block: int = 0,
         prev = cp.zeros(S, dtype=ndt)
         yield (f"dequantize accumulate out={dt} {codec_name}", B + 2 * prev.nbytes,
                lambda wire=wire, prev=prev: k.dequantize(L, wire, prev, accumulate=True))
+        wires = cp.zeros(2 * B, dtype=cp.uint8)     # one_shot_q's decode at two ranks: two parts summed
+        yield (f"dequantize 2 terms out={dt} {codec_name}", 2 * B + dst.nbytes,
+               lambda wires=wires, dst=dst: k.dequantize(L, wires, dst, terms=2))
 
 
 def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0,
