@@ -21,7 +21,8 @@ from .schedules import SCHEDULES, run_rounds
 class Workspace:
     """Wire buffers of one layout, owned by the communicator, reused by every call.
 
-    ``peers_out``/``peers_in``: P-1 slices each; ``gather``: P slices.
+    ``peers_out``/``peers_in``: P-1 slices each; ``gather``: P slices (`one_shot_q`'s: P * P
+    slices, and no peer slots).
     """
 
     peers_out: object
@@ -49,16 +50,24 @@ class CallSignature(NamedTuple):
 
 class _WireBuffers:
     """The buffers behind the workspaces of every layout whose slices fit in ``slice_bytes``
-    (a size class, `_size_class`), and the exact-size views handed to each layout."""
+    (a size class, `_size_class`), and the exact-size views handed to each layout: P - 1 peer
+    slots each way and ``gather_slices`` gather slots (0 peer slots when that is not P)."""
 
-    __slots__ = ("peers_out", "peers_in", "gather", "views")
+    __slots__ = ("peers_out", "peers_in", "gather", "peers", "gather_slices", "views")
 
-    def __init__(self, engine, nranks: int, slice_bytes: int):
+    def __init__(self, engine, nranks: int, slice_bytes: int, gather_slices: int | None = None):
         P, B = nranks, slice_bytes
-        self.peers_out = engine.empty_bytes((P - 1) * B)
-        self.peers_in = engine.empty_bytes((P - 1) * B)
-        self.gather = engine.empty_bytes(P * B)
+        self.gather_slices = n = P if gather_slices is None else gather_slices
+        self.peers = peers = P - 1 if n == P else 0
+        self.peers_out = engine.empty_bytes(peers * B)
+        self.peers_in = engine.empty_bytes(peers * B)
+        self.gather = engine.empty_bytes(n * B)
         self.views: dict = {}
+
+    @staticmethod
+    def nbytes(nranks: int, slice_bytes: int, gather_slices: int | None = None) -> int:
+        n = nranks if gather_slices is None else gather_slices
+        return (n + (2 * (nranks - 1) if n == nranks else 0)) * slice_bytes
 
     def workspace(self, layout: Layout) -> Workspace:
         """Views of exactly the bytes ``layout`` uses (schedules address slots by
@@ -67,9 +76,9 @@ class _WireBuffers:
         if ws is None:
             if len(self.views) >= 64:
                 self.views.clear()
-            P, B = layout.nranks, layout.slice_bytes
-            ws = self.views[layout] = Workspace(self.peers_out[:(P - 1) * B], self.peers_in[:(P - 1) * B],
-                                                self.gather[:P * B])
+            B = layout.slice_bytes
+            ws = self.views[layout] = Workspace(self.peers_out[:self.peers * B], self.peers_in[:self.peers * B],
+                                                self.gather[:self.gather_slices * B])
         return ws
 
 
@@ -163,7 +172,8 @@ class Communicator:
         self.size = self.engine.transport.size
         self.device = getattr(self.engine, "device_id", None)     # the GPU's index; None on CPU
         self._layouts: OrderedDict = OrderedDict()
-        # workspaces ("ws", slice-bytes class) and default feedback states ("fb", count, dtype)
+        # workspaces ("ws", slice-bytes class, gather slices or None), default feedback states
+        # ("fb", count, dtype)
         self._cache = BufferCache(self.config.cache_bytes, self.engine.retire)
         self._checked: OrderedDict = OrderedDict()
         self._prepared: OrderedDict = OrderedDict()     # call key -> _Prepared (`all_reduce`)
@@ -262,7 +272,7 @@ class Communicator:
         capturing = eng.is_capturing()
         fb_entry = self._default_entry(layout.count, name) if feedback is None else None
         fused = eng.fused_schedule(algo, layout)     # one kernel in registered buffers
-        ws = None if fused is not None else self._workspace(layout, capturing, fb_entry)
+        ws = None if fused is not None else self._workspace(layout, capturing, fb_entry, SCHEDULES[algo])
         state = self._feedback(feedback, layout, name, fb_entry, ws, capturing)
         if self._cache.nbytes > self._cache.limit:    # what an earlier call left over the bound
             self._make_room(0, (ws, fb_entry), capturing)
@@ -510,16 +520,18 @@ class Communicator:
                 self._layouts.popitem(last=False)
         return layout
 
-    def _workspace(self, layout: Layout, capturing: bool, keep=None):
-        """The cache entry of the wire buffers for ``layout``'s size class (``keep``: another
-        entry this call uses, not to be evicted for it)."""
+    def _workspace(self, layout: Layout, capturing: bool, keep=None, schedule=None):
+        """The cache entry of the wire buffers of ``schedule`` for ``layout``'s size class
+        (``keep``: another entry this call uses, not to be evicted for it)."""
         B = _size_class(layout.slice_bytes)
-        key = ("ws", B)
+        wide = getattr(schedule, "gather_slices", None)
+        n = None if wide is None else wide(layout.nranks)
+        key = ("ws", B, n)
         entry = self._cache.get(key)
         if entry is None:
-            nbytes = (3 * layout.nranks - 2) * B
+            nbytes = _WireBuffers.nbytes(layout.nranks, B, n)
             self._make_room(nbytes, () if keep is None else (keep,), capturing)
-            entry = self._cache.put(key, _WireBuffers(self.engine, layout.nranks, B), nbytes)
+            entry = self._cache.put(key, _WireBuffers(self.engine, layout.nranks, B, n), nbytes)
         self._use(entry, capturing)
         return entry
 

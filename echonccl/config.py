@@ -3,7 +3,7 @@
 | variable                  | meaning                                              | default |
 |---------------------------|------------------------------------------------------|---------|
 | ECHONCCL_ENGINE           | cpu, gpu or auto                                     | auto    |
-| ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, nccl, one_shot or auto | auto |
+| ECHONCCL_ALGO             | two_shot, ring, two_shot_pipelined, one_shot_q, nccl, one_shot or auto | auto |
 | ECHONCCL_GROUP_SIZE       | elements per scale: 32, 64, 128 (int7-h32: 16)       | 32 (16) |
 | ECHONCCL_CODEC            | int4-h32 (rotated), int4, or int7-h32 (8 bits; `codec`) | int4-h32 |
 | ECHONCCL_CROSSOVER_BYTES  | auto: below this many input bytes use the baseline   | engine's measured value |

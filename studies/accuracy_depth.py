@@ -24,7 +24,7 @@ quantizer that makes much the same error at every layer (plain 4-bit) adds
 it d times, so its relative error grows until the stream outgrows ``h0``.
 
 Compared: the exact float64 sum, NCCL-style bf16, plain 4-bit (two_shot,
-``feedback=False``), and echonccl two_shot and ring with error feedback (one
+``feedback=False``), and echonccl two_shot, ring and one_shot_q with error feedback (one
 `Feedback` per method, shared by all L layers), and two_shot with ``rounds=2``
 ("two_shot x2"), at each group size. Reported:
 relative error of each stream against the exact stream at depths 1, 2, 4, ..., L.
@@ -50,7 +50,8 @@ import reducers  # noqa: E402  (studies/, beside this script)
 from plots import panels_per_group  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
-VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))
+VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
+            ("one_shot_q", "one_shot_q", True))
 
 
 def parse_args(argv=None):
@@ -133,7 +134,7 @@ def checks(errs: dict, group_sizes) -> list[tuple[str, float, bool]]:
     """(description, growth, passed) for every echonccl method and plain 4-bit at every group size."""
     out = []
     for g in group_sizes:
-        for key in ("two_shot", "ring", "two_shot x2"):
+        for key in ("two_shot", "ring", "one_shot_q", "two_shot x2"):
             e = errs[f"{key} G={g}"]
             out.append((f"echonccl {key} G={g}: err(L)/err(1) <= {ECHO_MAX_GROWTH}", e[-1] / e[0],
                         e[-1] <= ECHO_MAX_GROWTH * e[0]))

@@ -46,7 +46,8 @@ import tp_llama as tl  # noqa: E402
 from plots import panels_per_group  # noqa: E402
 
 PPL_TOL, MIN_AGREE, GAP_FACTOR = 0.02, 0.97, 0.5
-VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True))
+VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
+            ("one_shot_q", "one_shot_q", True))
 
 
 def parse_args(argv=None):
@@ -56,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=0, help="sequences per forward pass (0: all in one)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--methods", nargs="+", default=["exact", "bf16", "plain", "two_shot", "ring"],
-                   choices=["exact", "bf16", "plain", "two_shot", "ring"], help="exact is always run first")
+                   choices=["exact", "bf16", "plain", "two_shot", "ring", "one_shot_q"],
+                   help="exact is always run first")
     p.add_argument("--rounds", type=int, nargs="+", default=[1, 2], choices=[1, 2, 3, 4],
                    help="run each echonccl method with each of these 4-bit rounds per all-reduce")
     p.add_argument("--no-flush", dest="flush", action="store_false",
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     nll_ref, top_ref = model.score(mpi, h_ref, toks)
     ref_ppl = float(np.exp(nll_ref.mean()))
     t_ref = time.perf_counter() - t0 - t_load
-    quantized = {"plain", "two_shot", "ring"} & set(a.methods)
+    quantized = {"plain", "two_shot", "ring", "one_shot_q"} & set(a.methods)
     comms = reducers.communicators(a.group_sizes, a.engine, a.codec) if quantized else {}
     codec_used = next(iter(comms.values())).config.codec if comms else None
     rows, ref_streams = {}, None

@@ -168,7 +168,9 @@ def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: i
 
     def rank(r):
         B = layout.slice_bytes
-        ws = Workspace(np.empty((P - 1) * B, np.uint8), np.empty((P - 1) * B, np.uint8), np.empty(P * B, np.uint8))
+        n_gather = getattr(SCHEDULES[algo], "gather_slices", lambda p: p)(P)
+        ws = Workspace(np.empty((P - 1) * B, np.uint8), np.empty((P - 1) * B, np.uint8),
+                       np.empty(n_gather * B, np.uint8))
         run_rounds(SCHEDULES[algo], NumpyKernels(), ThreadTransport(hub, r, P), layout, xs[r], outs[r],
                    None if states is None else states[r], ws, rounds)
 
@@ -196,7 +198,7 @@ case = st.fixed_dictionaries({
     "n": st.one_of(st.integers(1, 3000), st.sampled_from([1, 31, 32, 33, 511, 512, 513, 1537, 3072])),
     "group": st.sampled_from(codec.GROUP_SIZES),
     "dtype": st.sampled_from(DTYPES),
-    "algo": st.sampled_from(("two_shot", "ring")),
+    "algo": st.sampled_from(("two_shot", "ring", "one_shot_q")),
     "exp": st.integers(-30, 30),
     "seed": st.integers(0, 2 ** 32 - 1),
     "nan_at": st.lists(st.tuples(st.integers(0, 5), st.floats(0, 1, exclude_max=True)), max_size=3),
@@ -274,6 +276,8 @@ def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
     tol = 2.0 ** -18 * T * (P + 1) * xmax + 8 * T * P * SUB
     if residual_dtype == "input" and dt != "float32":
         tol += 2.0 ** -6 * T * (P + 1) * xmax * P
+    if algo in support.ONE_HOP and dt != "float32":   # its output's rounding is not fed back (no owner)
+        tol += 2.0 ** -7 * T * (P + 1) * xmax
     if residual_dtype == "int8":        # each stored residual is kept to 1/128 of its block's largest,
         # in the domain it is stored in: rotated back (int4-h32), an element sums 32 of those errors
         tol += 2.0 ** -7 * T * (P + 1) * rmax * (codec.ROT_BLOCK if codec.rotated(cd) else 1)

@@ -16,6 +16,7 @@ import numpy as np
 from echonccl import codec, dtypes
 
 TWO_HOP = ("two_shot", "two_shot_pipelined")     # quantized twice per element; ring: once per rank
+ONE_HOP = ("one_shot_q",)                         # each contribution quantized once, the sum never
 
 
 def _world(comm):
@@ -35,11 +36,11 @@ def codec_factor(codec_name: str) -> int:
 def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
     """The README's per-element error bound of a feedback-free all-reduce, without the output
     dtype's rounding: (sum over ranks of the group's max |input| + the sum's group max) / 2L
-    per quantizing hop (two-shot: 2; ring: one per rank), ``amax_sum`` being the first sum and
+    per quantizing hop (two-shot: 2; one_shot_q: 1; ring: one per rank), ``amax_sum`` being the first sum and
     L the codes' largest magnitude (7; int7-h32: 63, its groups' max taken over their block).
     The sum's group max is at most ``amax_sum`` grown by 1/L per hop: (1 + 1/L)^P covers it.
     The rotated codecs' is 32 times that (`codec_factor`)."""
-    hops = 2 if algo in TWO_HOP else nranks
+    hops = 1 if algo in ONE_HOP else 2 if algo in TWO_HOP else nranks
     levels = 63 if codec.wide(codec_name) else 7
     return codec_factor(codec_name) * hops * (1 + 1 / levels) ** nranks * np.asarray(amax_sum) / (2 * levels)
 

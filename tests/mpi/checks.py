@@ -15,7 +15,7 @@ import echonccl
 from echonccl import codec, dtypes
 
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host
-from support import amax_sum, assert_identical_across_ranks, error_bound, exact_sum
+from support import ONE_HOP, amax_sum, assert_identical_across_ranks, error_bound, exact_sum
 
 
 def check_identical_and_bounded():
@@ -66,8 +66,9 @@ def check_telescoping():
                 print(f"{algo} rounds={rounds}: telescoping gap {worst:.3g} (tolerance {tol:.3g}), "
                       f"residual {np.max(np.abs(residual)):.3g}")
             assert worst <= tol, f"{algo} rounds={rounds}: telescoping gap {worst:.3g} > {tol:.3g}"
-            # (int7-h32's residuals are some 60 times smaller per round: two rounds leave ~8 tol)
-            guard = 4 if codec.wide(comm.config.codec) else 100
+            # (int7-h32's residuals are some 60 times smaller per round: two rounds leave ~8 tol, and
+            # one_shot_q's, quantizing each element once, ~3.7 tol)
+            guard = 3 if codec.wide(comm.config.codec) else 100
             assert np.max(np.abs(residual)) > guard * tol, f"{algo}: residuals too small for the test to mean anything"
     comm.close()
 
@@ -104,7 +105,10 @@ def check_rounds():
                 if RANK == 0:
                     print(f"{algo} {dt} n={n}: relative error by rounds {[f'{e:.2e}' for e in errs]}, "
                           f"{dt} rounding alone {floor:.2e}")
-                assert errs[1] < errs[0] / 5, f"{algo} {dt} n={n}: rounds=2 error {errs[1]:.3g} vs {errs[0]:.3g}"
+                # (one_shot_q does not feed its output's rounding back: each round adds one, 2x the floor)
+                floor_q = 2 * floor if algo in ONE_HOP else 0.0
+                assert errs[1] < max(errs[0] / 5, floor_q), \
+                    f"{algo} {dt} n={n}: rounds=2 error {errs[1]:.3g} vs {errs[0]:.3g}"
                 assert errs[2] < max(errs[1] / 3, 2 * floor), f"{algo} {dt} n={n}: rounds=3 error {errs}"
                 if ref is not None:
                     _same_as_reference(comm, ref, algo, dt, n)
@@ -197,11 +201,15 @@ def check_special_values():
 
 
 def call_data(n: int, dt: str, t: int) -> np.ndarray:
-    """Call ``t``'s input of a sequence: on call 1 (n > 200) a NaN on rank 0 and an Inf on the last."""
+    """Call ``t``'s input of a sequence: on call 1 (n > 200) a NaN on rank 0 and an Inf on the last;
+    on call 3 (n > 200) the dtype's maximum on every rank in elements 256-287 (a sum that overflows
+    float32 for bfloat16 and float32, the float16 output for float16)."""
     x = rank_data(n, dt, seed=t)
     if t == 1 and n > 200:
         x[17] = np.nan if RANK == 0 else x[17]
         x[100] = np.inf if RANK == P - 1 else x[100]
+    if t == 3 and n > 300:
+        x[256:288] = ml_dtypes.finfo(x.dtype).max
     return x
 
 

@@ -49,7 +49,7 @@ import echonccl  # noqa: E402
 from echonccl import CommunicatorFailedError, EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
 from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host  # noqa: E402
 import support  # noqa: E402
-from support import exact_sum  # noqa: E402
+from support import ONE_HOP, exact_sum  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 SURVIVOR_EXIT = 42
@@ -737,7 +737,7 @@ def _check_captured_calls_are_pinned(comm) -> None:
         comm.all_reduce(x, out, feedback=False)
         graph = stream.end_capture()
     assert comm._cache.pinned_bytes() > 0, "a captured call pinned nothing"
-    ws_key = ("ws", _size_class_of(comm, n))
+    ws_key = ("ws", _size_class_of(comm, n), None)
     ws_before = comm._cache._entries[ws_key].obj
     for i, m in enumerate(range(1000, 400_000, 9973)):  # churn: every other workspace is evicted
         comm.all_reduce(to_engine(rank_data(m, "float32", seed=i)), feedback=False)
@@ -1083,6 +1083,8 @@ def _property_case(comm, c) -> None:
     if c["feedback"] == "input" and dt != "float32":
         tol += 2.0 ** -6 * T * (P + 1) * xmax * P           # residuals rounded to the input dtype
     tol += 8 * T * (P + 1) * (2.0 ** -149 + tiny)
+    if algo in ONE_HOP and dt != "float32":                  # its output's rounding is not fed back
+        tol += 2.0 ** -7 * T * (P + 1) * xmax
     worst = float(gap.max()) if gap.size else 0.0
     assert worst <= tol, f"telescoping gap {worst:.3g} > {tol:.3g}"
 
