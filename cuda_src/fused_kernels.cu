@@ -3,14 +3,22 @@
 // The two-shot schedule of echonccl/schedules/two_shot.py, done by thread blocks that
 // store straight into the peers' registered buffers (CUDA IPC, echonccl/peer_memory.py)
 // and signal with flags, with the codec steps of codec.cuh. Outputs and residuals are
-// bitwise those of the three-kernel two_shot (and so of the numpy reference).
+// bitwise those of the three-kernel two_shot (and so of the numpy reference). The same for
+// the quantized one-shot (schedules/one_shot_q.py, fused_one_shot_q_body), and the 16-bit
+// one-shots for small sizes.
 //
 // Registered region of one rank (peer_memory.Region; every rank maps every other's):
 //   ctl    : Ctl (epoch, ticket, done, error), local use only
 //   flags  : u32 [(P - 1) recv slots + P gather slots][max_tiles]
 //   recv   : (P - 1) wire slices, source s in slot s < rank ? s : s - 1   (two_shot's peers_in)
 //   gather : P wire slices, owner s in slot s                              (two_shot's gather)
+//   push   : 2 parities x push_half bytes: what the one-shots push (one_shot, one_shot_q)
 // The flag for tile j of a slot is the call's epoch once the tile's bytes are there.
+// A rank can be at most one call ahead of another (every call needs the other's data of that
+// call), and writes into a peer's region only what that peer is done reading: two_shot writes
+// recv at once (the peer read the last call's recv before it sent what let this rank finish it)
+// and gather only after the peer's contribution to this call; the one-shots, whose readers read
+// until the end of their call, write at once into the push half of the call's epoch parity.
 //
 // A slice is cut into chunks of 256 threads (2048 elements, one block-wide step of the
 // codec bodies); tile j of T is the chunks j, j + T, j + 2T, ...: the blocks working on
@@ -55,6 +63,9 @@ struct PeerTable {
     unsigned int* flags[kMaxRanks];
     uint2* ll[kMaxRanks];             // low-latency lines: [parity][P - 1 slots][ll_words]
     unsigned char* gather_peers[kMaxRanks];   // gather[(rank + 1 + k) % P] for k < P - 1
+    unsigned char* push[kMaxRanks];           // push areas: [parity][push_half bytes]
+    unsigned char* push_peers[kMaxRanks];     // push[(rank + 1 + k) % P] for k < P - 1
+    long long push_half;
 };
 
 __device__ __forceinline__ unsigned int ld_acquire_sys(const unsigned int* p) {
@@ -172,6 +183,14 @@ __device__ ECHO_PHASE void phase_contribute(const T* own, i64 own_n, ResT* res, 
         RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S}, j * kChunk + threadIdx.x, S >> 3,
         ntiles * kChunk);
 }
+// phase_contribute with the codes also stored to copies[c] + copy_off (one_shot_q's push).
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+__device__ ECHO_PHASE void phase_push(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
+                                      i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
+    reduce_quantize_loop<T, ResT, float, G, kCodec, false, false, 1, kWhole>(
+        RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
+        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+}
 template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
@@ -191,6 +210,17 @@ __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 c
     else
         dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, j * kChunk + threadIdx.x,
                                                            S >> 3, ntiles * kChunk);
+}
+
+template <typename T, int G, int kCodec, bool kWhole>
+__device__ ECHO_PHASE void phase_decode_sum(const Terms& terms, T* out, i64 count, i64 S, i64 slice, i64 j,
+                                              i64 ntiles, int accumulate) {
+    if (accumulate)
+        dequantize_sum_loop<T, G, true, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
+                                                             S >> 3, ntiles * kChunk);
+    else
+        dequantize_sum_loop<T, G, false, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
+                                                              S >> 3, ntiles * kChunk);
 }
 
 // The fused two-shot all-reduce. x: this rank's input, x_n elements (0 in a refinement
@@ -276,10 +306,70 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
     end_call(ctl, epoch);
 }
 
+// The one-shot quantized all-reduce (echonccl/schedules/one_shot_q.py): every rank quantizes its
+// whole input (slice v of P, tile j: item j * P + v), each slice with its input residual, into part
+// `rank` of the push half of this call's parity on every rank (own included), flagging tile v * T + j
+// of gather flag slot P - 1 + rank there; then decodes tile (v, j) of the P parts summed
+// (dequantize_sum_loop) into out's slice v. Part s: P wire slices at push + parity * push_half +
+// s * P * slice_bytes. x, out, res_in, kWhole and accumulate as in fused_two_shot_body (no
+// output residual); P * T <= max_tiles.
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+__device__ __forceinline__ void fused_one_shot_q_body(const T* x, i64 x_n, T* out, i64 count,
+                                                      ResT* __restrict__ res_in, i64 S, int rank, int P, i64 ntiles,
+                                                      i64 max_tiles, int accumulate,
+                                                      const PeerTable* __restrict__ table, Ctl* ctl, u64 timeout_ns) {
+    __shared__ long long s_item;
+    __shared__ int s_ok;
+    const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
+    const i64 slice_bytes = Wire<G, kCodec>::slice_bytes(S);
+    const i64 part = P * slice_bytes;
+    const i64 half = (i64)(epoch & 1u) * table->push_half;
+    const i64 T_ = ntiles;
+    const i64 n1 = (i64)P * T_;
+    unsigned char* my_push = table->push[rank] + half;
+    unsigned int* my_flags = table->flags[rank];
+
+    for (;;) {
+        const long long item = next_item(ctl, &s_item);
+        if (item >= 2 * n1 || !s_ok) break;
+        const i64 k = item < n1 ? item : item - n1;
+        const i64 j = k / P;
+        const int v = (int)(k % P);
+        const i64 tile = v * T_ + j;
+        if (item < n1) {
+            // 1. quantize tile j of slice v, into every rank's part `rank`
+            const i64 lo = v * S < x_n ? v * S : x_n;
+            const i64 hi = lo + S < x_n ? lo + S : x_n;
+            const i64 off = half + rank * part + v * slice_bytes;
+            phase_push<T, ResT, G, kCodec, kWhole>(x + lo, hi - lo, res_in ? res_at(res_in, v * S) : nullptr,
+                                                  table->push[rank] + off, S, j, T_, table->push_peers, P - 1, off);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                release_fence();
+                for (int s = 0; s < P; ++s) st_release_sys(table->flags[s] + (P - 1 + rank) * max_tiles + tile, epoch);
+            }
+        } else {
+            // 2. tile j of out's slice v: the P parts' codes summed
+            if (v * S >= count) continue;
+            if (threadIdx.x == 0) {
+                bool ok = true;
+                for (int s = 0; s < P && ok; ++s)
+                    ok = wait_flag(my_flags + (P - 1 + s) * max_tiles + tile, epoch, ctl, s_deadline);
+                if (!ok) s_ok = 0;
+            }
+            __syncthreads();
+            if (!s_ok) break;
+            phase_decode_sum<T, G, kCodec, kWhole>(Terms{my_push, part, P}, out, count, S, v, j, T_, accumulate);
+        }
+    }
+    end_call(ctl, epoch);
+}
+
 // 16-bit (or float32) one-shot all-reduce for small sizes: every rank pushes its whole
-// input into slot (source) of every peer's recv area, flags it per tile; then each rank
-// sums the P inputs of a tile in rank order in float32 and rounds once to T. Every rank
-// computes the same bits. Flags use the recv flag slots; tiles of tile_t * 8 elements.
+// input into slot (source) s < rank ? s : s - 1 of the push half of this call's parity of every
+// peer, flags it per tile; then each rank sums the P inputs of a tile in rank order in float32
+// and rounds once to T. Every rank computes the same bits. Flags use the recv flag slots; tiles
+// of tile_t * 8 elements.
 template <typename T>
 __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int rank, int P,
                                               i64 tile_t, i64 max_tiles, const PeerTable* __restrict__ table,
@@ -290,6 +380,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
     const i64 nthr = (count + 7) >> 3;
     const i64 T_ = (nthr + tile_t - 1) / tile_t;
     const i64 slot_bytes = ((count * Traits<T>::kBytes + 255) / 256) * 256;
+    const i64 half = (i64)(epoch & 1u) * table->push_half;
     const bool vec = aligned16(x) && aligned16(out);
     unsigned int* my_flags = table->flags[rank];
     const i64 n1 = T_, n2 = T_;
@@ -308,7 +399,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
                 for (int k = 1; k < P; ++k) {
                     const int s = (rank + k) % P;
                     const int slot = rank < s ? rank : rank - 1;
-                    store8<T>(reinterpret_cast<T*>(table->recv[s] + slot * slot_bytes), t << 3, count, vec, v);
+                    store8<T>(reinterpret_cast<T*>(table->push[s] + half + slot * slot_bytes), t << 3, count, vec, v);
                 }
             }
             __syncthreads();
@@ -333,7 +424,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
             }
             __syncthreads();
             if (!s_ok) break;
-            const unsigned char* my_recv = table->recv[rank];
+            const unsigned char* my_recv = table->push[rank] + half;
             const i64 t1 = (j + 1) * tile_t < nthr ? (j + 1) * tile_t : nthr;
             for (i64 t = j * tile_t + threadIdx.x; t < t1; t += blockDim.x) {
                 float acc[8];
@@ -465,15 +556,32 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
                                                                    (int)accumulate, table, ctl,                       \
                                                                    (echo::u64)timeout_ns);                            \
     }
-#define ECHO_DEFINE_FUSED_AS(NAME, T, R, G, CODEC)       \
-    ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, false) \
-    ECHO_DEFINE_FUSED_ENTRY(NAME##_whole, T, R, G, CODEC, true)
+// echo_fused_one_shot_q_<T>_res<R>_g<G>[_whole](const T* x, i64 x_n, T* out, i64 count, R* res_in,
+//     i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table,
+//     Ctl* ctl, i64 timeout_ns)
+#define ECHO_DEFINE_FUSED_Q_ENTRY(NAME, T, R, G, CODEC, WHOLE)                                                       \
+    extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
+        NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, long long S,           \
+             long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,                \
+             const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
+        echo::fused_one_shot_q_body<echo::T, echo::R, G, CODEC, WHOLE>(x, x_n, out, count, res_in, S, (int)rank,    \
+                                                                      (int)P, ntiles, max_tiles, (int)accumulate,     \
+                                                                      table, ctl, (echo::u64)timeout_ns);             \
+    }
+#define ECHO_DEFINE_FUSED_AS(NAME, Q_NAME, T, R, G, CODEC)         \
+    ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, false)           \
+    ECHO_DEFINE_FUSED_ENTRY(NAME##_whole, T, R, G, CODEC, true)    \
+    ECHO_DEFINE_FUSED_Q_ENTRY(Q_NAME, T, R, G, CODEC, false)       \
+    ECHO_DEFINE_FUSED_Q_ENTRY(Q_NAME##_whole, T, R, G, CODEC, true)
 // The codecs as echo_kernels.cu names them: int4, int4-h32 (suffix _h32), and for G = 16
 // int7-h32 (suffix _i7h32).
 #define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \
-    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G, T, R, G, 0)                                         \
-    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, T, R, G, 1)
-#define ECHO_DEFINE_FUSED_I7(T, R, G) ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_i7h32, T, R, G, 2)
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G, echo_fused_one_shot_q_##T##_res##R##_g##G, T, R, G, 0) \
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, echo_fused_one_shot_q_##T##_res##R##_g##G##_h32, \
+                         T, R, G, 1)
+#define ECHO_DEFINE_FUSED_I7(T, R, G)                                                                                 \
+    ECHO_DEFINE_FUSED_AS(echo_fused_two_shot_##T##_res##R##_g##G##_i7h32,                                             \
+                         echo_fused_one_shot_q_##T##_res##R##_g##G##_i7h32, T, R, G, 2)
 // echo_one_shot_<T>(const T* x, T* out, i64 count, i64 rank, i64 P, i64 tile_t, i64 max_tiles,
 //     const PeerTable* table, Ctl* ctl, i64 timeout_ns)
 #define ECHO_DEFINE_ONE_SHOT(T)                                                                                       \

@@ -357,6 +357,8 @@ class GpuEngine:
         schedule runs over NCCL."""
         if self.fused is not None and algo == "two_shot" and self.fused.two_shot_fits(layout):
             return self.fused.prepare_two_shot
+        if self.fused is not None and algo == "one_shot_q" and self.fused.one_shot_q_fits(layout):
+            return self.fused.prepare_one_shot_q
         return None
 
     def prepare_schedule(self, run):

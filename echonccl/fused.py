@@ -8,6 +8,9 @@
   Rounds > 1 are one launch per round (``accumulate``), as `schedules.rounds` runs them.
 * `FusedPaths.one_shot`: a 16-bit one-shot all-reduce for small sizes: every rank pushes its
   input to every peer and sums the P inputs in rank order in float32, rounded once.
+* `FusedPaths.one_shot_q`: the quantized one-shot (`schedules.one_shot_q`) as ONE kernel: blocks
+  quantize the input (with feedback) straight into every rank's push area, then decode the P
+  contributions summed; bitwise the schedule's outputs and residuals.
 
 Used when every rank of the communicator is on one node and every pair of GPUs can map each
 other's memory (`available`), unless ``ECHONCCL_FUSED=0`` (then the NCCL send/recv path runs
@@ -63,6 +66,11 @@ def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole
     return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}{suffix}"
 
 
+def one_shot_q_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False) -> str:
+    """The fused quantized one-shot entry point (``whole``: as in `fused_name`)."""
+    return fused_name(dtype, res, group, codec_name, whole).replace("_two_shot_", "_one_shot_q_")
+
+
 def one_shot_name(dtype: str, low_latency: bool = False) -> str:
     return f"echo_one_shot_{'ll_' if low_latency else ''}{dtype}"
 
@@ -76,7 +84,8 @@ def entry_points() -> list[str]:
     """Every kernel ``fused_kernels.cu`` defines."""
     from .codec import codec_groups
 
-    names = [fused_name(t, r, g, c, w) for c, g in codec_groups() for t, r in _FUSED_COMBOS for w in (False, True)]
+    names = [f(t, r, g, c, w) for f in (fused_name, one_shot_q_name) for c, g in codec_groups()
+             for t, r in _FUSED_COMBOS for w in (False, True)]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 
@@ -187,25 +196,12 @@ class FusedPaths:
         key = (id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
                x.data.ptr, x.size, out.data.ptr) + res
         first, more = self._plans.get_or_make(key, lambda: self._two_shot_plan(layout, T, region, x, out, state))
-        if rounds == 1:
-            run = first
-        else:
-            def run(stream, first=first, more=more, extra=rounds - 1):
-                first(stream)
-                for _ in range(extra):
-                    more(stream)
-        return run, self._current(region)
+        return _rounds_run(first, more, rounds), self._current(region)
 
     def _two_shot_plan(self, layout, T, region, x, out, state):
         """The launches of round 1 and of a refinement round (empty input, accumulate)."""
         S, G, P = layout.slice_elems, layout.group, self.size
-        t = _SHORT[dtypes.canonical(x.dtype)]
-        if state is None:
-            res_in = res_out = 0
-            r = "f32"
-        else:
-            res_in, res_out = state.inputs.data.ptr, state.output.data.ptr
-            r = "i8" if state.inputs.dtype.itemsize == 1 else _SHORT[dtypes.canonical(state.inputs.dtype)]
+        t, r, res_in, res_out = _types(x, state)
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
@@ -213,6 +209,36 @@ class FusedPaths:
         first = _Launch(self.module.kernel(fused_name(t, r, G, layout.codec, whole)), grid, args)
         args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
         return first, _Launch(self.module.kernel(fused_name(t, r, G, layout.codec)), grid, args)
+
+    # -- quantized one-shot -----------------------------------------------------------------
+    def one_shot_q_fits(self, layout) -> bool:
+        """True when ``layout`` fits a region (growing it collectively if needed)."""
+        return self._region(*_one_shot_q_needs(layout)) is not None
+
+    def one_shot_q(self, layout, x, out, state, rounds: int = 1) -> None:
+        """The fused one_shot_q of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
+        self.prepare_one_shot_q(layout, x, out, state, rounds)[0](self._stream())
+
+    def prepare_one_shot_q(self, layout, x, out, state, rounds: int = 1):
+        """``(run, valid)`` of the fused one_shot_q of these buffers (as `prepare_two_shot`)."""
+        region = self._region(*_one_shot_q_needs(layout))
+        res = 0 if state is None else state.inputs.data.ptr
+        key = ("q", id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
+               x.data.ptr, x.size, out.data.ptr, res)
+        first, more = self._plans.get_or_make(key, lambda: self._one_shot_q_plan(layout, region, x, out, state))
+        return _rounds_run(first, more, rounds), self._current(region)
+
+    def _one_shot_q_plan(self, layout, region, x, out, state):
+        S, G, P = layout.slice_elems, layout.group, self.size
+        T = fused_tiles(S)
+        t, r, res_in, _ = _types(x, state)
+        grid = min(self.max_blocks, 2 * P * T)
+        args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, S, self.rank, P, T, region.max_tiles, 0,
+                region.table.data.ptr, region.ctl, self.timeout_ns]
+        whole = WHOLE and _whole_slices(layout, x, out, state)
+        first = _Launch(self.module.kernel(one_shot_q_name(t, r, G, layout.codec, whole)), grid, args)
+        args[1], args[10] = 0, 1   # a refinement round
+        return first, _Launch(self.module.kernel(one_shot_q_name(t, r, G, layout.codec)), grid, args)
 
     # -- one-shot ---------------------------------------------------------------------------
     def one_shot(self, x, out) -> None:
@@ -243,7 +269,7 @@ class FusedPaths:
     def _one_shot_region(self, n: int, itemsize: int):
         n8 = max(8, -(-n // 8) * 8)
         T = one_shot_tiles(n8)
-        return n8, T, self._region(-(-(n * itemsize) // 256) * 256, T)
+        return n8, T, self._region(0, T, (self.size - 1) * (-(-(n * itemsize) // 256) * 256))
 
     # -- lifecycle --------------------------------------------------------------------------
     def clear_plans(self) -> None:
@@ -263,5 +289,34 @@ class FusedPaths:
         peers = self.peers
         return lambda: bool(peers.regions) and peers.regions[-1] is region
 
-    def _region(self, slice_bytes: int, ntiles: int):
-        return self.peers.region_for(slice_bytes, ntiles, self._capturing)
+    def _region(self, slice_bytes: int, ntiles: int, push_bytes: int = 0):
+        return self.peers.region_for(slice_bytes, ntiles, self._capturing, push_bytes)
+
+
+def _types(x, state):
+    """(input type, residual type, res_in pointer, res_out pointer) of a fused kernel's name and
+    arguments (residuals "f32" and null pointers without feedback)."""
+    t = _SHORT[dtypes.canonical(x.dtype)]
+    if state is None:
+        return t, "f32", 0, 0
+    r = "i8" if state.inputs.dtype.itemsize == 1 else _SHORT[dtypes.canonical(state.inputs.dtype)]
+    return t, r, state.inputs.data.ptr, state.output.data.ptr
+
+
+def _rounds_run(first, more, rounds: int):
+    """``run(stream)``: ``first``, then ``rounds - 1`` launches of ``more`` (refinement rounds)."""
+    if rounds == 1:
+        return first
+
+    def run(stream, extra=rounds - 1):
+        first(stream)
+        for _ in range(extra):
+            more(stream)
+    return run
+
+
+def _one_shot_q_needs(layout):
+    """(slice bytes, tiles, push bytes) of a region serving the fused one_shot_q of ``layout``:
+    P tiles per flag slot per slice, P parts of P slices a push parity."""
+    P, B = layout.nranks, layout.slice_bytes
+    return 0, P * fused_tiles(layout.slice_elems), P * P * B

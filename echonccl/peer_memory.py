@@ -14,11 +14,16 @@ Region layout (offsets 256-byte aligned; ``cuda_src/fused_kernels.cu`` reads the
     flags   u32[(P - 1) + P][max_tiles]: recv slots, then gather slots
     recv    (P - 1) x slice_bytes: the contributions of the other ranks (two_shot's peers_in)
     gather  P x slice_bytes: every owner's codes (two_shot's gather)
+    push    2 parities x push_bytes: what the one-shots push (16-bit inputs; one_shot_q's parts),
+            the half of a call's epoch parity (a rank can be at most one call ahead of another,
+            and these are read until the end of a call: ``cuda_src/fused_kernels.cu``)
     ll      2 parities x (P - 1) slots x LL_WORDS lines of 8 bytes {4 data bytes, epoch}
 
-A `PeerTable` (device array of pointers, per rank: recv, gather, flags, ll; then the other
-ranks' gather areas in ring order from this one) is what the kernels take. Regions grow collectively (a call whose layout does not fit makes a region twice as
-large on every rank, at the same call, since every rank runs the same sequence of calls);
+A `PeerTable` (device array of 8-byte words, per rank: recv, gather, flags, ll; the other ranks'
+gather areas in ring order from this one; every rank's push area; the other ranks' push areas in
+ring order; then push_bytes) is what the kernels take. Regions grow collectively (a call whose
+layout does not fit makes a region twice as large on every rank, at the same call, since every
+rank runs the same sequence of calls);
 older regions stay mapped until `close`, so CUDA graphs that captured them stay valid.
 Growth synchronizes the device and exchanges handles over MPI: it cannot happen inside a
 CUDA-graph capture (warm the size up first).
@@ -60,32 +65,54 @@ def one_shot_tiles(elems: int) -> int:
     return max(1, -(-(elems // 8) // ONE_SHOT_TILE))
 
 
-def region_layout(nranks: int, slice_bytes: int, max_tiles: int) -> dict:
+def region_layout(nranks: int, slice_bytes: int, max_tiles: int, push_bytes: int = 0) -> dict:
     """Byte offsets of a region's parts (see the module docstring) and its size ``nbytes``."""
     P = nranks
     off = {"ctl": 0, "epochs": CTL_BYTES}
     off["flags"] = off["epochs"] + _align(LL_BLOCKS * 4)
     off["recv"] = off["flags"] + _align((2 * P - 1) * max_tiles * 4)
     off["gather"] = off["recv"] + _align((P - 1) * slice_bytes)
-    off["ll"] = off["gather"] + _align(P * slice_bytes)
+    off["push"] = off["gather"] + _align(P * slice_bytes)
+    off["ll"] = off["push"] + 2 * _align(push_bytes)
     off["nbytes"] = off["ll"] + 2 * (P - 1) * LL_WORDS * 8
     return off
 
 
+def peer_table(rank: int, bases: list, lay: dict, push_bytes: int) -> np.ndarray:
+    """The `PeerTable` of ``rank`` (the kernels' struct, 8-byte words) from every rank's region
+    base address and `region_layout` ``lay``."""
+    P = len(bases)
+    table = np.zeros(7 * MAX_RANKS + 1, dtype=np.uint64)
+    for s, b in enumerate(bases):
+        table[s] = b + lay["recv"]
+        table[MAX_RANKS + s] = b + lay["gather"]
+        table[2 * MAX_RANKS + s] = b + lay["flags"]
+        table[3 * MAX_RANKS + s] = b + lay["ll"]
+        table[5 * MAX_RANKS + s] = b + lay["push"]
+    for k in range(P - 1):
+        peer = bases[(rank + 1 + k) % P]
+        table[4 * MAX_RANKS + k] = peer + lay["gather"]
+        table[6 * MAX_RANKS + k] = peer + lay["push"]
+    table[7 * MAX_RANKS] = _align(push_bytes)
+    return table
+
+
 class Region:
     """One generation of registered buffers: ``slice_bytes`` per wire slot, ``max_tiles`` flags
-    per slot. Collective (every rank of ``comm`` constructs it at the same point)."""
+    per slot, ``push_bytes`` a push parity. Collective (every rank of ``comm`` constructs it at
+    the same point)."""
 
-    def __init__(self, comm, allgather, slice_bytes: int, max_tiles: int):
+    def __init__(self, comm, allgather, slice_bytes: int, max_tiles: int, push_bytes: int = 0):
         import cupy
         from cupy.cuda import runtime
 
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         P = self.size
         self.slice_bytes, self.max_tiles = int(slice_bytes), int(max_tiles)
-        lay = region_layout(P, self.slice_bytes, self.max_tiles)
+        self.push_bytes = _align(int(push_bytes))
+        lay = region_layout(P, self.slice_bytes, self.max_tiles, self.push_bytes)
         self.epochs_off, self.flags_off, self.recv_off = lay["epochs"], lay["flags"], lay["recv"]
-        self.gather_off, self.ll_off, self.nbytes = lay["gather"], lay["ll"], lay["nbytes"]
+        self.gather_off, self.push_off, self.ll_off, self.nbytes = lay["gather"], lay["push"], lay["ll"], lay["nbytes"]
         self.ptr = runtime.malloc(self.nbytes)
         self._opened: list[int] = []
         try:
@@ -103,20 +130,12 @@ class Region:
         except BaseException:
             self.close()
             raise
-        table = np.zeros(5 * MAX_RANKS, dtype=np.uint64)
-        for s, b in enumerate(bases):
-            table[s] = b + self.recv_off
-            table[MAX_RANKS + s] = b + self.gather_off
-            table[2 * MAX_RANKS + s] = b + self.flags_off
-            table[3 * MAX_RANKS + s] = b + self.ll_off
-        for k in range(P - 1):
-            table[4 * MAX_RANKS + k] = bases[(self.rank + 1 + k) % P] + self.gather_off
-        self.table = cupy.asarray(table)
+        self.table = cupy.asarray(peer_table(self.rank, bases, lay, self.push_bytes))
         self.ctl = self.ptr
         self.epochs = self.ptr + self.epochs_off
 
-    def fits(self, slice_bytes: int, ntiles: int) -> bool:
-        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles
+    def fits(self, slice_bytes: int, ntiles: int, push_bytes: int = 0) -> bool:
+        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles and push_bytes <= self.push_bytes
 
     def error_flag(self) -> int:
         """The kernels' error word (1 after a wait timed out). Synchronous device read."""
@@ -146,12 +165,13 @@ class PeerMemory:
         self.make_region = make_region
         self.regions: list[Region] = []
 
-    def region_for(self, slice_bytes: int, ntiles: int, capturing=lambda: False):
-        """The region serving a call of this size, growing if needed; None if it exceeds
-        ``max_bytes`` (that call takes the NCCL path). Growing is collective and synchronizes
-        the device: during a CUDA-graph capture (``capturing()``) it raises `EchoncclError`."""
+    def region_for(self, slice_bytes: int, ntiles: int, capturing=lambda: False, push_bytes: int = 0):
+        """The region serving a call of this size (``push_bytes``: a push parity it needs),
+        growing if needed; None if it exceeds ``max_bytes`` (that call takes the NCCL path).
+        Growing is collective and synchronizes the device: during a CUDA-graph capture
+        (``capturing()``) it raises `EchoncclError`. A part that grows at least doubles."""
         cur = self.regions[-1] if self.regions else None
-        if cur is not None and cur.fits(slice_bytes, ntiles):
+        if cur is not None and cur.fits(slice_bytes, ntiles, push_bytes):
             return cur
         if capturing():
             from .errors import EchoncclError
@@ -159,13 +179,20 @@ class PeerMemory:
             raise EchoncclError("this all-reduce size needs larger peer buffers, which cannot be registered "
                                 "during a CUDA-graph capture: make one eager call of it before capturing")
         P = self.comm.Get_size()
-        sb = max(slice_bytes, 2 * cur.slice_bytes if cur else 1 << 20)
-        nt = max(ntiles, 2 * cur.max_tiles if cur else 64)
-        if (2 * P - 1) * sb > self.max_bytes:
-            sb = slice_bytes
-            if (2 * P - 1) * sb > self.max_bytes:
+
+        def grown(need, have, first):
+            if cur is None:
+                return max(need, first)
+            return have if need <= have else max(need, 2 * have)
+
+        sb = grown(slice_bytes, cur.slice_bytes if cur else 0, 1 << 20)
+        nt = grown(ntiles, cur.max_tiles if cur else 0, 64)
+        pb = grown(push_bytes, cur.push_bytes if cur else 0, 1 << 20)
+        if (2 * P - 1) * sb + 2 * pb > self.max_bytes:
+            sb, pb = max(slice_bytes, cur.slice_bytes if cur else 0), max(push_bytes, cur.push_bytes if cur else 0)
+            if (2 * P - 1) * sb + 2 * pb > self.max_bytes:
                 return None
-        self.regions.append(self.make_region(self.comm, self.allgather, sb, nt))
+        self.regions.append(self.make_region(self.comm, self.allgather, sb, nt, pb))
         return self.regions[-1]
 
     def errors(self) -> bool:

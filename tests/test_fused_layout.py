@@ -28,11 +28,13 @@ def test_one_shot_tiles():
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
-@pytest.mark.parametrize("slice_bytes,tiles", [(1 << 20, 64), (5 * 4096 + 64, 1000), (160 << 20, 1024)])
-def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles):
-    lay = region_layout(P, slice_bytes, tiles)
+@pytest.mark.parametrize("slice_bytes,tiles,push", [(1 << 20, 64, 1 << 20), (5 * 4096 + 64, 1000, 3 * 4096 + 8),
+                                                    (160 << 20, 1024, 0)])
+def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles, push):
+    lay = region_layout(P, slice_bytes, tiles, push)
     parts = [("ctl", 16), ("epochs", 4 * 1024), ("flags", (2 * P - 1) * tiles * 4),
-             ("recv", (P - 1) * slice_bytes), ("gather", P * slice_bytes), ("ll", 2 * (P - 1) * LL_WORDS * 8)]
+             ("recv", (P - 1) * slice_bytes), ("gather", P * slice_bytes), ("push", 2 * push),
+             ("ll", 2 * (P - 1) * LL_WORDS * 8)]
     end = 0
     for name, size in parts:
         assert lay[name] % ALIGN == 0, name
@@ -41,16 +43,36 @@ def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles):
     assert lay["nbytes"] == end
 
 
+def test_peer_table_matches_the_kernels_struct():
+    """`peer_table`: recv, gather, flags, ll of every rank, the other ranks' gather areas in ring
+    order, every rank's push area, the other ranks' push areas, then the push parity's bytes
+    (fused_kernels.cu's PeerTable, 8-byte words)."""
+    M, P, rank = peer_memory.MAX_RANKS, 3, 1
+    lay = region_layout(P, 4096, 64, 1000)
+    bases = [1 << 40, 2 << 40, 3 << 40]
+    t = peer_memory.peer_table(rank, bases, lay, 1000)
+    assert t.size == 7 * M + 1 and t[7 * M] == 1024                 # the push parity, aligned
+    for s, b in enumerate(bases):
+        assert [t[k * M + s] for k in (0, 1, 2, 3, 5)] == [b + lay[n] for n in ("recv", "gather", "flags", "ll", "push")]
+    assert [t[4 * M + k] for k in range(P - 1)] == [bases[2] + lay["gather"], bases[0] + lay["gather"]]
+    assert [t[6 * M + k] for k in range(P - 1)] == [bases[2] + lay["push"], bases[0] + lay["push"]]
+    src = (kernels_cuda.source_dir() / fused.SOURCE).read_text()
+    body = src[src.index("struct PeerTable {"):src.index("};", src.index("struct PeerTable {"))]
+    fields = [ln.split("//")[0].split() for ln in body.splitlines()[1:]]
+    assert [f[-1].split("[")[0].rstrip(";") for f in fields if f] == ["recv", "gather", "flags", "ll", "gather_peers", "push",
+                                                    "push_peers", "push_half"]
+
+
 class _FakeRegion:
     made: list = []
 
-    def __init__(self, comm, allgather, slice_bytes, max_tiles):
-        self.slice_bytes, self.max_tiles = slice_bytes, max_tiles
-        self.nbytes = region_layout(comm.Get_size(), slice_bytes, max_tiles)["nbytes"]
+    def __init__(self, comm, allgather, slice_bytes, max_tiles, push_bytes=0):
+        self.slice_bytes, self.max_tiles, self.push_bytes = slice_bytes, max_tiles, push_bytes
+        self.nbytes = region_layout(comm.Get_size(), slice_bytes, max_tiles, push_bytes)["nbytes"]
         _FakeRegion.made.append(self)
 
-    def fits(self, slice_bytes, ntiles):
-        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles
+    def fits(self, slice_bytes, ntiles, push_bytes=0):
+        return slice_bytes <= self.slice_bytes and ntiles <= self.max_tiles and push_bytes <= self.push_bytes
 
 
 class _Comm:
@@ -70,6 +92,9 @@ def test_regions_grow_by_doubling_and_stop_at_the_cap():
     assert pm.region_for(5 << 20, 10).slice_bytes == 5 << 20
     assert pm.region_for(9 << 20, 10) is None                     # 3 x 9 MiB > cap: NCCL path
     assert len(_FakeRegion.made) == 3
+    r4 = pm.region_for(1000, 10, push_bytes=3 << 20)              # a larger push area: the rest kept
+    assert (r4.slice_bytes, r4.push_bytes) == (5 << 20, 3 << 20) and pm.regions[-1] is r4
+    assert pm.region_for(1000, 10, push_bytes=6 << 20) is None    # 15 + 2 x 6 MiB > cap
 
 
 def test_no_growth_during_a_capture():
@@ -84,9 +109,11 @@ def test_no_growth_during_a_capture():
 
 def test_entry_point_names():
     names = fused.entry_points()
-    # 8 (input, residual) pairs x (3 groups x 2 int4 codecs + int7-h32's one group) x (general,
-    # whole slices); one-shots
-    assert len(names) == len(set(names)) == 8 * 7 * 2 + 6
+    # two-shot and quantized one-shot x 8 (input, residual) pairs x (3 groups x 2 int4 codecs +
+    # int7-h32's one group) x (general, whole slices); one-shots
+    assert len(names) == len(set(names)) == 2 * 8 * 7 * 2 + 6
+    assert fused.one_shot_q_name("bf16", "bf16", 32, "int4-h32", whole=True) == \
+        "echo_fused_one_shot_q_bf16_resbf16_g32_h32_whole" in names
     assert fused.fused_name("bf16", "bf16", 32) in names
     assert fused.fused_name("bf16", "bf16", 32, "int4-h32", whole=True) == "echo_fused_two_shot_bf16_resbf16_g32_h32_whole"
     assert fused.fused_name("bf16", "bf16", 32, "int4-h32") == "echo_fused_two_shot_bf16_resbf16_g32_h32"

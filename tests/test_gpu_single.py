@@ -47,3 +47,13 @@ def test_fused_kernels_match_the_reference_ranks_sharing_one_gpu(mpirun, ranks):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert f"OK fused_reference ranks={ranks} engine=gpu" in res.stdout
 
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_a_call_ahead_never_overwrites_what_a_slow_peer_reads(mpirun, ranks):
+    """One rank with one block against full grids, fused calls back to back (the one-shots push
+    into the half of their call's parity; tests/mpi/checks.py check_fused_skew). On one GPU the
+    ranks' kernels take turns here, which hides the race this guards against: tools/gpu_suite.sh
+    runs the check again under MPS (before the push halves, 408812 of 1.5 M elements differed)."""
+    res = mpirun(ranks, ["tests/mpi/checks.py", "fused_skew", "gpu"], timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert f"OK fused_skew ranks={ranks} engine=gpu" in res.stdout

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The fused two-shot kernel alone (no NCCL): time per all-reduce of the general kernel against
-the ``_whole`` one (slices whole and aligned, no bounds tests), one row per size.
+"""The fused kernels alone (no NCCL): time per all-reduce of the general two-shot kernel against
+the ``_whole`` one (slices whole and aligned, no bounds tests), and of the quantized one-shot
+(``q``, ``q_whole``) and the 16-bit one (``one_shot``), one row per size.
 
     python tools/launch.py -n 2 tools/fused_bench.py [--sizes 16M 64M 256M 1G] [--codec int4-h32]
         [--residual input|float32|int8] [--kernels general whole] [--iters 10] [--reps 2]
@@ -37,7 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
     p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
-    p.add_argument("--kernels", nargs="+", default=["general", "whole"], choices=("general", "whole"))
+    p.add_argument("--kernels", nargs="+", default=["general", "whole"],
+                   choices=("general", "whole", "q", "q_whole", "one_shot"))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the default)")
@@ -65,9 +67,13 @@ def main(argv=None) -> None:
         out = cp.empty_like(x)
         for _ in range(a.reps):
             for kernel in a.kernels:
-                fused.WHOLE = kernel == "whole"
+                fused.WHOLE = kernel.endswith("whole")
                 paths.clear_plans()
-                run, _ = paths.prepare_two_shot(layout, x, out, state)
+                if kernel == "one_shot":
+                    run, _ = paths.prepare_one_shot(x, out)
+                else:
+                    prepare = paths.prepare_one_shot_q if kernel.startswith("q") else paths.prepare_two_shot
+                    run, _ = prepare(layout, x, out, state)
                 stream = cp.cuda.get_current_stream()
                 comm.Barrier()   # the ranks start together; each call then waits for its peers
                 times.setdefault((nbytes, kernel), []).append(time_us(lambda: run(stream), a.iters))
@@ -77,7 +83,7 @@ def main(argv=None) -> None:
     if failed:
         raise SystemExit("fused_bench: a kernel timed out waiting for a peer")
     if rank == 0:
-        print(f"# fused two-shot, {P} ranks, {a.codec}, bf16, {a.residual} residuals, "
+        print(f"# fused kernels, {P} ranks, {a.codec}, bf16, {a.residual} residuals, "
               f"grid {paths.max_blocks}, us (median of {a.iters}; one column per rep)")
         print("| size | " + " | ".join(a.kernels) + " |")
         print("|---:|" + "---:|" * len(a.kernels))

@@ -383,12 +383,12 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
 
 
 def check_fused_reference():
-    """The fused kernels against the CPU reference directly, without NCCL (so ranks may share a
-    GPU: their IPC-mapped buffers work the same; their kernels take turns): outputs and both
-    residuals bit for bit, every codec, every dtype and residual dtype, rounds 1 and 2, sizes
-    that run the general kernel and two (slices whole) that run the `_whole` one: 3 * 2^15, and
-    5 * 2^12, whose slices end inside a 2048-element chunk at 4 and 8 ranks; the one-shot equals
-    the float32 sum in rank order rounded once."""
+    """The fused kernels (two_shot and one_shot_q, in turn) against the CPU reference directly,
+    without NCCL (so ranks may share a GPU: their IPC-mapped buffers work the same; their kernels
+    take turns): outputs and both residuals bit for bit, every codec, every dtype and residual
+    dtype, rounds 1 and 2, sizes that run the general kernel and two (slices whole) that run the
+    `_whole` one: 3 * 2^15, and 5 * 2^12, whose slices end inside a 2048-element chunk at 4 and 8
+    ranks; the one-shot equals the float32 sum in rank order rounded once."""
     import cupy
 
     from echonccl import fused as fz
@@ -411,26 +411,27 @@ def check_fused_reference():
         ref = echonccl.Communicator(engine="cpu", codec=codec_name, group_size=group)
         for dt in dts:
             for rdt in rdts:
-                for n in sizes:
+                for n, algo in ((n, a) for n in sizes for a in ("two_shot", "one_shot_q")):
+                    run = getattr(paths, algo)
                     L = Layout(n, P, ref.config.group_size, codec=codec_name)
                     fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
-                    for t in range(3):
+                    for t in range(4):
                         x = call_data(n, dt, t)
                         rounds = 2 if t == 2 else 1
-                        yc = ref.all_reduce(x, feedback=fc, algorithm="two_shot", rounds=rounds)
+                        yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=rounds)
                         xg = to_engine(x)
                         out = cupy.empty_like(xg)
                         assert fz._whole_slices(L, xg, out, state) == (n in (3 << 15, 5 << 12)), n
-                        paths.two_shot(L, xg, out, state, rounds)
+                        run(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
-                        what = f"fused {codec_name} {dt} res={rdt} n={n} call={t}"
+                        what = f"fused {algo} {codec_name} {dt} res={rdt} n={n} call={t}"
                         assert same_bits(to_host(out), yc), f"{what}: fused output differs from the reference"
                         assert_same_residuals(fg, fc, what)
-                    paths.two_shot(L, xg, xg, None, 1)                    # in place, no feedback
-                    yc = ref.all_reduce(x, feedback=False, algorithm="two_shot")
+                    run(L, xg, xg, None, 1)                               # in place, no feedback
+                    yc = ref.all_reduce(x, feedback=False, algorithm=algo)
                     cupy.cuda.runtime.deviceSynchronize()
-                    assert same_bits(to_host(xg), yc), f"fused {codec_name} {dt} n={n}: in place differs"
+                    assert same_bits(to_host(xg), yc), f"fused {algo} {codec_name} {dt} n={n}: in place differs"
         ref.close()
     for dt in ("bfloat16", "float16", "float32"):
         for n in (1, 5, 1000, 70_000, (1 << 20) + 5):
@@ -448,10 +449,60 @@ def check_fused_reference():
     dup.Free()
 
 
+def check_fused_skew():
+    """A rank a call ahead never overwrites what a slow peer still reads. The last rank runs every
+    fused kernel with one block, so it reads its peers' pushes long after they sent them, and the
+    others, with their whole grid, finish each call as soon as its pushes are in and start the
+    next; calls go back to back with other data: the 16-bit one-shot (tiled, above the
+    low-latency size) after itself, one_shot_q after itself and after two_shot, two_shot after
+    both. Every output equals its reference (no feedback), on every rank."""
+    import cupy
+
+    from echonccl import fused as fz
+    from echonccl.layout import Layout
+
+    cupy.cuda.Device(RANK % cupy.cuda.runtime.getDeviceCount()).use()
+    dup = WORLD.Dup()
+    paths = fz.FusedPaths(dup, dup.allgather, RANK, P, 20.0, lambda: False)
+    dev = cupy.cuda.runtime.getDevice()
+    sharing = WORLD.allgather(dev).count(dev)     # ranks on one GPU (under MPS: all resident at once)
+    paths.max_blocks = 1 if RANK == P - 1 else max(1, paths.max_blocks // sharing - 1)
+    ref = echonccl.Communicator(engine="cpu")
+    n = 3 << 19                                   # 3 MiB of bfloat16: the tiled one-shot
+    L = Layout(n, P, ref.config.group_size, codec=ref.config.codec)
+    order = ("one_shot", "one_shot", "one_shot", "two_shot", "one_shot_q", "one_shot_q", "two_shot", "one_shot",
+             "one_shot_q", "one_shot")
+    xs = [rank_data(n, "bfloat16", seed=40 + i) for i in range(len(order))]
+    outs = []
+    for algo, x in zip(order, xs):                # enqueued back to back, no host wait
+        xg, out = to_engine(x), cupy.empty(n, dtype=x.dtype)
+        if algo == "one_shot":
+            paths.one_shot(xg, out)
+        else:
+            getattr(paths, algo)(L, xg, out, None, 1)
+        outs.append((xg, out))
+    cupy.cuda.runtime.deviceSynchronize()
+    assert not paths.failed(), "a fused kernel timed out"
+    for i, (algo, x) in enumerate(zip(order, xs)):
+        got = to_host(outs[i][1])
+        if algo == "one_shot":
+            acc = np.full(n, -0.0, np.float32)
+            for xr in WORLD.allgather(x):
+                acc = acc + xr.astype(np.float32)
+            want = acc.astype(x.dtype)
+        else:
+            want = ref.all_reduce(x, feedback=False, algorithm=algo)
+        assert got.tobytes() == want.tobytes(), \
+            f"call {i} ({algo}) after {order[i - 1] if i else 'none'}: {np.count_nonzero(got != want)} elements differ"
+    ref.close()
+    paths.close()
+    dup.Free()
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_identical_and_bounded, check_telescoping, check_depth, check_special_values,
            check_matches_reference, check_graph_replay, check_torch_interop,
-           check_pipelined_matches_two_shot, check_rounds, check_fused, check_fused_reference)}
+           check_pipelined_matches_two_shot, check_rounds, check_fused, check_fused_reference, check_fused_skew)}
 
 if __name__ == "__main__":
     import faulthandler
