@@ -56,18 +56,23 @@ class _WireBuffers:
     __slots__ = ("peers_out", "peers_in", "gather", "peers", "gather_slices", "views")
 
     def __init__(self, engine, nranks: int, slice_bytes: int, gather_slices: int | None = None):
-        P, B = nranks, slice_bytes
-        self.gather_slices = n = P if gather_slices is None else gather_slices
-        self.peers = peers = P - 1 if n == P else 0
-        self.peers_out = engine.empty_bytes(peers * B)
-        self.peers_in = engine.empty_bytes(peers * B)
-        self.gather = engine.empty_bytes(n * B)
+        B = slice_bytes
+        self.peers, self.gather_slices = self._slots(nranks, gather_slices)
+        self.peers_out = engine.empty_bytes(self.peers * B)
+        self.peers_in = engine.empty_bytes(self.peers * B)
+        self.gather = engine.empty_bytes(self.gather_slices * B)
         self.views: dict = {}
 
     @staticmethod
-    def nbytes(nranks: int, slice_bytes: int, gather_slices: int | None = None) -> int:
+    def _slots(nranks: int, gather_slices: int | None) -> tuple[int, int]:
+        """(peer slots each way, gather slots)."""
         n = nranks if gather_slices is None else gather_slices
-        return (n + (2 * (nranks - 1) if n == nranks else 0)) * slice_bytes
+        return (nranks - 1 if n == nranks else 0), n
+
+    @classmethod
+    def nbytes(cls, nranks: int, slice_bytes: int, gather_slices: int | None = None) -> int:
+        peers, n = cls._slots(nranks, gather_slices)
+        return (2 * peers + n) * slice_bytes
 
     def workspace(self, layout: Layout) -> Workspace:
         """Views of exactly the bytes ``layout`` uses (schedules address slots by

@@ -76,9 +76,8 @@ class NumpyKernels:
             nan_group = nan_group | over
         with np.errstate(invalid="ignore"):          # a NaN-scale unit keeps the scale's NaN bits
             if codec.rotated(cd):
-                values = np.where(nan_group, nan * _F32.type(1), codec.unrotate(values))
-            elif terms > 1:
-                values = np.where(nan_group, nan * _F32.type(1), values)
+                values = codec.unrotate(values)
+            values = np.where(nan_group, nan * _F32.type(1), values)
         values, nan_group = values[: out.size], nan_group[: out.size]
         with np.errstate(over="ignore", invalid="ignore"):   # beyond the output dtype's range: +-Inf, by design
             if not accumulate:    # (a NaN made inside the inverse rotation gets its element's sign flip)
