@@ -302,6 +302,28 @@ __device__ __forceinline__ T raw_elem(const Raw8<T>& r, int i) {
     else return T{(u16)((i & 1) ? word >> 16 : word & 0xffffu)};
 }
 
+// The accumulate rule of every decode (dequantize's kAcc, the fused owner's own output over a
+// base): o = round(prev + v) per element, an element that is NaN in prev keeping its bits.
+// prev: the 8 elements as loaded; pv: the same as floats.
+template <typename T>
+__device__ __forceinline__ void add_keep_nan8(const Raw8<T>& prev, const float (&pv)[8], const float (&v)[8],
+                                              T (&o)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        o[i] = abs_bits(pv[i]) > 0x7f800000u ? raw_elem<T>(prev, i) : Traits<T>::from_f32(add_rn(pv[i], v[i]));
+}
+
+// A decoded unit whose scale is NaN (a non-finite unit): its 8 elements stored as the NaN that
+// scale bits `nan_bits` stand for (Traits::nan_of_scale, numpy's bits), only those < n.
+template <typename T, bool kFull>
+__device__ __forceinline__ void store_nan8(T* p, i64 e0, i64 n, bool vec, u32 nan_bits) {
+    T o[8];
+    const T nan = Traits<T>::nan_of_scale(nan_bits);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = nan;
+    store8<T, kFull>(p, e0, n, vec, o);
+}
+
 // ------------------------------------------------- residuals in 8-bit blocks
 // The int8 residual format (codec.py, "Residuals"): per 512 elements, 512 int8 mantissas then
 // 16 exponent bytes (one per 32-element block, = 4 lanes). `i8res_t` marks a residual pointer

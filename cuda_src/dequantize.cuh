@@ -18,17 +18,8 @@ namespace echo {
 #define ECHO_DQ_UNROLL32 1
 #endif
 
-// The end of a decode, thread t's 8 elements at out[e0, e0 + 8) ∩ [0, count): a NaN-scale unit
-// (a non-finite unit) stored as its NaN (nan_bits, numpy's bits); decoded values v stored, or with
-// kAcc added: out = round(float(out) + v), an out element that is NaN keeping its bits.
-template <typename OutT, bool kFull>
-__device__ __forceinline__ void store_nan8(OutT* __restrict__ out, i64 e0, i64 count, bool vec, u32 nan_bits) {
-    OutT o[8];
-    const OutT nan = Traits<OutT>::nan_of_scale(nan_bits);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = nan;
-    store8<OutT, kFull>(out, e0, count, vec, o);
-}
+// The end of a decode, thread t's 8 elements at out[e0, e0 + 8) ∩ [0, count): decoded values v
+// stored, or with kAcc added (add_keep_nan8). A NaN-scale unit goes to store_nan8 instead.
 template <typename OutT, bool kAcc, bool kFull>
 __device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i64 count, bool vec,
                                               const float (&v)[8]) {
@@ -38,9 +29,7 @@ __device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i6
         float p[8];
         unpack8<OutT>(prev.w, p);
         OutT o[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            o[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(prev, i) : Traits<OutT>::from_f32(add_rn(p[i], v[i]));
+        add_keep_nan8<OutT>(prev, p, v, o);
         store8<OutT, kFull>(out, e0, count, vec, o);
     } else {
         store8f<OutT, kFull>(out, e0, count, vec, v);
@@ -243,10 +232,7 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
                 const Raw8<OutT> pr{{prev[k]}};
                 float p[8];
                 unpack8<OutT>(pr.w, p);
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    o8[i] = abs_bits(p[i]) > 0x7f800000u ? raw_elem<OutT>(pr, i)
-                                                         : Traits<OutT>::from_f32(add_rn(p[i], v[k][i]));
+                add_keep_nan8<OutT>(pr, p, v[k], o8);
                 r[k] = pack8_16(o8);
             } else {
                 pack8f<OutT>(v[k], &r[k]);

@@ -302,15 +302,10 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                     unit_finite = finite && partner != 0;
                 }
                 if (!unit_finite) {
-                    RefT nan[8];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) nan[i] = Traits<RefT>::nan_of_scale(W::k7 ? kScaleNaN : fbits(scale));
-                    store8<RefT, kFull>(out_p, e0, out_n, vec, nan);
+                    store_nan8<RefT, kFull>(out_p, e0, out_n, vec, W::k7 ? kScaleNaN : fbits(scale));
                 } else if (base != nullptr) {
                     RefT w[8];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        w[i] = abs_bits(b[i]) > 0x7f800000u ? raw_elem<RefT>(braw, i) : Traits<RefT>::from_f32(add_rn(b[i], o[i]));
+                    add_keep_nan8<RefT>(braw, b, o, w);
                     store8<RefT, kFull>(out_p, e0, out_n, vec, w);
                 } else {
                     store8f<RefT, kFull>(out_p, e0, out_n, vec, o);
