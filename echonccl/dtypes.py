@@ -28,7 +28,12 @@ def canonical(dtype) -> str:
 
 
 def _canonical(dtype) -> str:
-    name = getattr(dtype, "name", None) or str(dtype)
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if not isinstance(name, str):       # a scalar type (np.float32, ml_dtypes.bfloat16) or an unknown object
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
     name = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(name, name)
     if name not in SUPPORTED:
         raise TypeError(f"echonccl reduces float16, bfloat16 and float32 arrays, not {name}")

@@ -46,6 +46,17 @@ def test_empty_input_gives_empty_output(comm):
     assert y.size == 0
 
 
+def test_dtypes_by_name_dtype_or_scalar_type(comm):
+    from echonccl import dtypes
+    for d in (np.float32, np.dtype(np.float32), "float32", "float"):
+        assert dtypes.canonical(d) == "float32"
+    assert dtypes.canonical(ml_dtypes.bfloat16) == dtypes.canonical("bf16") == "bfloat16"
+    assert comm.default_feedback(8, np.float16) is comm.default_feedback(8, "float16")
+    for bad in (np.float64, "int8", object()):
+        with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+            dtypes.canonical(bad)
+
+
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="group size"):
         echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=48)
