@@ -28,7 +28,9 @@
 //      (input + input residual) straight into s's recv slot, then flag it on s;
 //   2. one per tile j of the own slice: wait for the P - 1 contributions, sum in rank order
 //      with the own input taken exactly, add the output residual, quantize into the gather
-//      slot of every rank (own included), flag it on every rank;
+//      slot of every rank (own included), flag it on every rank; the new output residual holds
+//      the output's rounding to T too, or (the _r32 entry points, echonccl Feedback(rounding=False))
+//      the quantization error alone;
 //   3. P per tile j: wait for tile j of owner s's codes, decode into `out` (or add); the
 //      owner's own slice is written in 2 instead (ECHO_FUSED_OWNER_OUT, the default).
 // Every item waits only for items taken before it (in the same order on every rank) by
@@ -201,6 +203,18 @@ __device__ ECHO_PHASE void phase_reduce(const unsigned char* incoming, int n_in,
                            out, out_n},
         j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
+// phase_reduce with the owner's ref in float32 (no base): its residual is the sum's
+// quantization error alone, not its output's rounding to T (two rotations an element, not three).
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+__device__ ECHO_PHASE void phase_reduce_ref32(const unsigned char* incoming, int n_in, int own_pos, const T* own,
+                                              i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j, i64 ntiles,
+                                              unsigned char* const* copies, int ncopies, i64 copy_off, T* out,
+                                              i64 out_n) {
+    reduce_quantize_loop<T, ResT, float, G, kCodec, true, ECHO_FUSED_OWNER_OUT != 0, ECHO_FUSED_IN_BATCH, kWhole>(
+        RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
+                                  copy_off, out, out_n},
+        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+}
 template <typename T, int G, int kCodec, bool kWhole>
 __device__ ECHO_PHASE void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
@@ -227,8 +241,11 @@ __device__ ECHO_PHASE void phase_decode_sum(const Terms& terms, T* out, i64 coun
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
 // at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count == P * S, and
-// x, out and the residuals 16-byte aligned (the host's choice; see phase_contribute).
-template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+// x, out and the residuals 16-byte aligned (the host's choice; see phase_contribute). kRef32: the
+// owner's ref in float32 (phase_reduce_ref32; echonccl Feedback(rounding=False)), never with
+// accumulate (a refinement round runs the kernel without it). One owner phase per kernel: both
+// in one, picked at run time, made the kernel 7-35% slower on one H200 (more spills).
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool kRef32>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -278,10 +295,17 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * slice_bytes,
-                                     S, accumulate ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers,
-                                     P - 1, rank * slice_bytes, ECHO_FUSED_OWNER_OUT ? out + blo : nullptr,
-                                     bhi - blo);
+            if constexpr (kRef32)
+                phase_reduce_ref32<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
+                                                               my_gather + rank * slice_bytes, S, j, T_,
+                                                               table->gather_peers, P - 1, rank * slice_bytes,
+                                                               ECHO_FUSED_OWNER_OUT ? out + blo : nullptr, bhi - blo);
+            else
+                phase_reduce<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
+                                                         my_gather + rank * slice_bytes, S,
+                                                         accumulate ? out + blo : nullptr, bhi - blo, j, T_,
+                                                         table->gather_peers, P - 1, rank * slice_bytes,
+                                                         ECHO_FUSED_OWNER_OUT ? out + blo : nullptr, bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 release_fence();
@@ -545,16 +569,16 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 
 // echo_fused_two_shot_<T>_res<R>_g<G>[_whole](const T* x, i64 x_n, T* out, i64 count, R* res_in,
 //     R* res_out, i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate,
-//     const PeerTable* table, Ctl* ctl, i64 timeout_ns)   (_whole: see fused_two_shot_body)
-#define ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, WHOLE)                                                         \
+//     const PeerTable* table, Ctl* ctl, i64 timeout_ns)   (_whole, _r32: see fused_two_shot_body)
+#define ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, WHOLE, REF32)                                                  \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, WHOLE>(x, x_n, out, count, res_in, res_out, S,          \
-                                                                   (int)rank, (int)P, ntiles, max_tiles,              \
-                                                                   (int)accumulate, table, ctl,                       \
-                                                                   (echo::u64)timeout_ns);                            \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, WHOLE, REF32>(x, x_n, out, count, res_in, res_out, S,   \
+                                                                          (int)rank, (int)P, ntiles, max_tiles,       \
+                                                                          (int)accumulate, table, ctl,                \
+                                                                          (echo::u64)timeout_ns);                     \
     }
 // echo_fused_one_shot_q_<T>_res<R>_g<G>[_whole](const T* x, i64 x_n, T* out, i64 count, R* res_in,
 //     i64 S, i64 rank, i64 P, i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table,
@@ -568,11 +592,19 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
                                                                       (int)P, ntiles, max_tiles, (int)accumulate,     \
                                                                       table, ctl, (echo::u64)timeout_ns);             \
     }
-#define ECHO_DEFINE_FUSED_AS(NAME, Q_NAME, T, R, G, CODEC)         \
-    ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, false)           \
-    ECHO_DEFINE_FUSED_ENTRY(NAME##_whole, T, R, G, CODEC, true)    \
-    ECHO_DEFINE_FUSED_Q_ENTRY(Q_NAME, T, R, G, CODEC, false)       \
+#define ECHO_DEFINE_FUSED_AS(NAME, Q_NAME, T, R, G, CODEC)            \
+    ECHO_DEFINE_FUSED_ENTRY(NAME, T, R, G, CODEC, false, false)       \
+    ECHO_DEFINE_FUSED_ENTRY(NAME##_whole, T, R, G, CODEC, true, false) \
+    ECHO_DEFINE_FUSED_Q_ENTRY(Q_NAME, T, R, G, CODEC, false)          \
     ECHO_DEFINE_FUSED_Q_ENTRY(Q_NAME##_whole, T, R, G, CODEC, true)
+// The _r32 two-shot entry points, for 16-bit data (float32 data has a float32 ref anyway).
+#define ECHO_DEFINE_FUSED_R32_AS(NAME, T, R, G, CODEC)                   \
+    ECHO_DEFINE_FUSED_ENTRY(NAME##_r32, T, R, G, CODEC, false, true)     \
+    ECHO_DEFINE_FUSED_ENTRY(NAME##_r32_whole, T, R, G, CODEC, true, true)
+#define ECHO_DEFINE_FUSED_R32(T, R, G)                                                              \
+    ECHO_DEFINE_FUSED_R32_AS(echo_fused_two_shot_##T##_res##R##_g##G, T, R, G, 0)                   \
+    ECHO_DEFINE_FUSED_R32_AS(echo_fused_two_shot_##T##_res##R##_g##G##_h32, T, R, G, 1)
+#define ECHO_DEFINE_FUSED_R32_I7(T, R, G) ECHO_DEFINE_FUSED_R32_AS(echo_fused_two_shot_##T##_res##R##_g##G##_i7h32, T, R, G, 2)
 // The codecs as echo_kernels.cu names them: int4, int4-h32 (suffix _h32), and for G = 16
 // int7-h32 (suffix _i7h32).
 #define ECHO_DEFINE_FUSED(T, R, G)                                                                                    \
@@ -610,6 +642,11 @@ ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 32)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 64)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED, 128)
 ECHO_FUSED_COMBOS(ECHO_DEFINE_FUSED_I7, 16)
+#define ECHO_FUSED_COMBOS16(X, G) X(f16, f32, G) X(f16, f16, G) X(f16, i8, G) X(bf16, f32, G) X(bf16, bf16, G) X(bf16, i8, G)
+ECHO_FUSED_COMBOS16(ECHO_DEFINE_FUSED_R32, 32)
+ECHO_FUSED_COMBOS16(ECHO_DEFINE_FUSED_R32, 64)
+ECHO_FUSED_COMBOS16(ECHO_DEFINE_FUSED_R32, 128)
+ECHO_FUSED_COMBOS16(ECHO_DEFINE_FUSED_R32_I7, 16)
 ECHO_DEFINE_ONE_SHOT(f16)
 ECHO_DEFINE_ONE_SHOT(bf16)
 ECHO_DEFINE_ONE_SHOT(f32)

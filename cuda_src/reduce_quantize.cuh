@@ -108,7 +108,9 @@ constexpr bool kBlock32Rq =
      (sizeof(InT) == 4 && sizeof(RefT) == 4 && sizeof(ResT) == 4));
 
 // The buffers of one reduce_quantize (see reduce_quantize_loop), what every caller passes.
-template <typename InT, typename ResT, typename RefT>
+// OutT: the output's type (base, out_p), RefT's unless the owner's ref is float32 with a 16-bit
+// output (the fused owner without its output's rounding in the residual).
+template <typename InT, typename ResT, typename RefT, typename OutT = RefT>
 struct RqArgs {
     const unsigned char* incoming;   // n_in wire slices
     i64 n_in, own_pos;               // the own term's place among them
@@ -117,12 +119,12 @@ struct RqArgs {
     ResT* residual;                  // null: no feedback
     unsigned char* wire_out;         // the slice made
     i64 S;                           // elements per slice
-    const RefT* base;                // null, or the refinement round's base (base_n elements)
+    const OutT* base;                // null, or the refinement round's base (base_n elements)
     i64 base_n;
     unsigned char* const* copies;    // the fused kernel's: wire_out also to copies[c] + copy_off
     int ncopies;
     i64 copy_off;
-    RefT* out_p;                     // the fused kernel's owner: its output slice (out_n elements)
+    OutT* out_p;                     // the fused kernel's owner: its output slice (out_n elements)
     i64 out_n;
 };
 
@@ -141,15 +143,15 @@ struct RqArgs {
 // kFull: every buffer holds the whole slice and is 16-byte aligned (reduce_quantize_body
 // checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
-          bool kFull>
-__device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, RefT>& a, i64 t_first, i64 t_end,
+          bool kFull, typename OutT = RefT>
+__device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, RefT, OutT>& a, i64 t_first, i64 t_end,
                                                      i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
     const InT* __restrict__ own = a.own;
     ResT* __restrict__ residual = a.residual;
     unsigned char* __restrict__ wire_out = a.wire_out;
-    const RefT* __restrict__ base = a.base;
-    RefT* __restrict__ out_p = a.out_p;
+    const OutT* __restrict__ base = a.base;
+    OutT* __restrict__ out_p = a.out_p;
     const i64 n_in = a.n_in, own_pos = a.own_pos, own_n = a.own_n, S = a.S, base_n = a.base_n, out_n = a.out_n;
     unsigned char* const* copies = a.copies;
     const int ncopies = a.ncopies;
@@ -280,11 +282,11 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                 rot_butterflies8(e, lb);
                 if (!signless) rot_signs8(e, lb);
             }
-            Raw8<RefT> braw;
+            Raw8<OutT> braw;
             float b[8];
             if (base != nullptr) {
-                braw = load_raw8<RefT, true, kFull>(base, e0, base_n, aligned16(base));
-                unpack8<RefT>(braw.w, b);
+                braw = load_raw8<OutT, true, kFull>(base, e0, base_n, aligned16(base));
+                unpack8<OutT>(braw.w, b);
             }
             if (kOut && out_p != nullptr) {
                 // The owner's own slice of the output, as dequantize_body would decode it from the
@@ -302,13 +304,13 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                     unit_finite = finite && partner != 0;
                 }
                 if (!unit_finite) {
-                    store_nan8<RefT, kFull>(out_p, e0, out_n, vec, W::k7 ? kScaleNaN : fbits(scale));
+                    store_nan8<OutT, kFull>(out_p, e0, out_n, vec, W::k7 ? kScaleNaN : fbits(scale));
                 } else if (base != nullptr) {
-                    RefT w[8];
-                    add_keep_nan8<RefT>(braw, b, o, w);
-                    store8<RefT, kFull>(out_p, e0, out_n, vec, w);
+                    OutT w[8];
+                    add_keep_nan8<OutT>(braw, b, o, w);
+                    store8<OutT, kFull>(out_p, e0, out_n, vec, w);
                 } else {
-                    store8f<RefT, kFull>(out_p, e0, out_n, vec, o);
+                    store8f<OutT, kFull>(out_p, e0, out_n, vec, o);
                 }
             }
             if (residual != nullptr) {

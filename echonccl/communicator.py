@@ -108,23 +108,25 @@ class _Prepared:
     """A checked call's work with its buffers resolved: ``run(stream, x, out)`` (x and out: the
     caller's arrays of this call; nothing here holds them), replayed by later calls with the same
     buffers and options while `ready`: the cache entries it uses are still cached, an explicit
-    `Feedback` still holds the same residuals, and ``valid()`` (the engine's, e.g. the peer
+    `Feedback` still holds the same residuals and options, and ``valid()`` (the engine's, e.g. the peer
     region still current) holds."""
 
-    __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled")
+    __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "rounding")
 
     def __init__(self, sig, run, valid=None, entries=(), feedback=None):
         self.sig, self.run, self.valid, self.entries = sig, run, valid, entries
         self.feedback = feedback
         self.residuals = None if feedback is None else feedback.residuals
         self.enabled = None if feedback is None else feedback.enabled
+        self.rounding = None if feedback is None else feedback.rounding
 
     def ready(self) -> bool:
         for e in self.entries:
             if not e.live:
                 return False
         fb = self.feedback
-        if fb is not None and (fb.residuals is not self.residuals or fb.enabled is not self.enabled):
+        if fb is not None and (fb.residuals is not self.residuals or fb.enabled is not self.enabled
+                               or fb.rounding is not self.rounding):
             return False
         return self.valid is None or bool(self.valid())
 
@@ -157,20 +159,23 @@ class Communicator:
     in use (README "Memory"). ``codec``: ``"int4-h32"`` (default: each 32-element block
     rotated by a signed Hadamard transform before quantizing, about 3x less perplexity loss
     on a real model at the same bytes), ``"int4"``, or ``"int7-h32"`` (the 8-bit accuracy
-    mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). Options may be overridden by
+    mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). ``feedback_rounding``:
+    the ``rounding`` of the feedback states this communicator makes (`Feedback`; default True).
+    Options may be overridden by
     ``ECHONCCL_*`` variables (`config`). Call `close` when done.
     """
 
     def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
                  crossover_bytes=None, timeout=None, rounds=None, device=None, cache_bytes=None,
-                 codec=None):
+                 codec=None, feedback_rounding=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
                                       crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds,
-                                      cache_bytes=cache_bytes, codec=codec)
+                                      cache_bytes=cache_bytes, codec=codec,
+                                      feedback_rounding=feedback_rounding)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
         self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
@@ -334,9 +339,10 @@ class Communicator:
         self.engine.reap()
 
     # -- feedback --------------------------------------------------------------------------------
-    def new_feedback(self, residual_dtype: str = DEFAULT_RESIDUAL) -> Feedback:
-        """A fresh, unbound `Feedback`; bound (and allocated) by its first call."""
-        return Feedback(residual_dtype)
+    def new_feedback(self, residual_dtype: str = DEFAULT_RESIDUAL, rounding: bool | None = None) -> Feedback:
+        """A fresh, unbound `Feedback`; bound (and allocated) by its first call. ``rounding``: see
+        `Feedback` (default: the communicator's ``feedback_rounding``)."""
+        return Feedback(residual_dtype, rounding=self.config.feedback_rounding if rounding is None else rounding)
 
     def load_feedback(self, state: dict) -> Feedback:
         """A `Feedback` restored from `Feedback.state_dict` onto this communicator's engine;
@@ -513,7 +519,7 @@ class Communicator:
         key = ("fb", count, name)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache.put(key, Feedback(), 0)
+            entry = self._cache.put(key, Feedback(rounding=self.config.feedback_rounding), 0)
         return entry
 
     def _layout(self, count: int) -> Layout:

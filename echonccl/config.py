@@ -10,6 +10,7 @@
 | ECHONCCL_TIMEOUT          | seconds before a silent peer raises PeerTimeoutError | 300     |
 | ECHONCCL_ROUNDS           | 4-bit rounds per all-reduce (2+: also send residuals) | 1       |
 | ECHONCCL_CACHE_BYTES      | bound on cached workspaces + default feedback states | 1 GiB   |
+| ECHONCCL_FEEDBACK_ROUNDING | 0: owners feed back their quantization error only, not their 16-bit output's rounding (`Feedback`) | 1 |
 | ECHONCCL_DEBUG            | INFO logs the resolved configuration once at init    | unset   |
 
 Read where they are used: ``ECHONCCL_DEVICE`` (the GPU, default the node-local
@@ -50,6 +51,7 @@ class Config:
     timeout: float = 300.0
     rounds: int = 1
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    feedback_rounding: bool = True         # the default of `Feedback(rounding=)` for this communicator
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -64,6 +66,8 @@ class Config:
         check_rounds(self.rounds)
         if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {self.cache_bytes!r}")
+        if not isinstance(self.feedback_rounding, bool):
+            raise ValueError(f"feedback_rounding must be True or False, got {self.feedback_rounding!r}")
 
 
 def check_rounds(rounds) -> int:
@@ -71,6 +75,16 @@ def check_rounds(rounds) -> int:
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"rounds must be an int from 1 to {MAX_ROUNDS}, got {rounds!r}")
     return rounds
+
+
+def boolean(v: str) -> bool:
+    """A boolean environment value: 1/0, true/false, on/off, yes/no (any case)."""
+    s = v.strip().lower()
+    if s in ("1", "true", "on", "yes"):
+        return True
+    if s in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(v)
 
 
 _ENV = {
@@ -82,6 +96,7 @@ _ENV = {
     "timeout": ("ECHONCCL_TIMEOUT", float),
     "rounds": ("ECHONCCL_ROUNDS", int),
     "cache_bytes": ("ECHONCCL_CACHE_BYTES", int),
+    "feedback_rounding": ("ECHONCCL_FEEDBACK_ROUNDING", boolean),
 }
 
 

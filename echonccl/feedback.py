@@ -30,11 +30,19 @@ class Residuals:
     ``inputs``: ``layout.padded`` elements, the residual of every quantization
     this rank made of a slice it does not own (its contribution, or a ring hop).
     ``output``: ``layout.slice_elems`` elements, the residual of the owner's
-    final requantization of its own slice.
+    final requantization of its own slice. ``rounding``: whether that residual also
+    holds the owner's output rounding (`Feedback`).
     """
 
     inputs: Any
     output: Any
+    rounding: bool = True
+
+    def owner_ref(self, out_dtype, accumulate: bool):
+        """The ``ref_dtype`` of the owner's requantization (`Kernels.reduce_quantize`): the output's
+        dtype, so that the residual holds the output's rounding too, or float32 (the quantization
+        error alone) when ``rounding`` is off and the call does not accumulate."""
+        return out_dtype if self.rounding or accumulate else "float32"
 
 
 DEFAULT_RESIDUAL = "input"
@@ -53,6 +61,12 @@ class Feedback:
     residual traffic (BENCHMARKS.md).
     ``enabled = False`` turns feedback off: calls then neither read nor write
     the residuals. Calls using one state must be ordered (one stream).
+    ``rounding = False``: the owner's residual holds its sum's quantization error but not its
+    output's rounding to a 16-bit output dtype (except in calls that accumulate: refinement
+    rounds). The errors of a stream then telescope up to one 16-bit rounding a call (what a
+    16-bit NCCL all-reduce makes too), and the owner rotates each element twice, not three
+    times (the fused kernel is 8-10% faster on one H200, BENCHMARKS.md thirteenth pass); the
+    default keeps the output's rounding in (ACCURACY.md, section 0d).
 
     The state also records the codec that wrote it (``codec``, set on binding):
     the rotated codecs (``int4-h32``, ``int7-h32``) keep their residuals in the rotated
@@ -64,11 +78,14 @@ class Feedback:
 
     STATE_VERSION = 2
 
-    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True):
+    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True, rounding: bool = True):
         if residual_dtype not in wire.RESIDUAL_FORMATS:
             raise ValueError(f"residual_dtype must be one of {wire.RESIDUAL_FORMATS}, got {residual_dtype!r}")
+        if not isinstance(rounding, bool):
+            raise ValueError(f"rounding must be True or False, got {rounding!r}")
         self.residual_dtype = residual_dtype
         self.enabled = enabled
+        self.rounding = rounding
         self.key = None
         self.codec: str | None = None
         self.residuals: Residuals | None = None
@@ -84,7 +101,7 @@ class Feedback:
         if self.key is None:
             dt = wire.residual_dtype(self.residual_dtype, input_dtype)
             self.residuals = Residuals(zeros(wire.residual_size(layout.padded, dt), dt),
-                                       zeros(wire.residual_size(layout.slice_elems, dt), dt))
+                                       zeros(wire.residual_size(layout.slice_elems, dt), dt), self.rounding)
             self.key = key
             self.codec = codec
         return self.residuals
@@ -109,7 +126,7 @@ class Feedback:
     def state_dict(self) -> dict:
         """A checkpoint: plain numpy copies of the residuals and the binding key."""
         out = {"version": self.STATE_VERSION, "codec": self.codec, "residual_dtype": self.residual_dtype,
-               "enabled": self.enabled, "key": self.key}
+               "enabled": self.enabled, "rounding": self.rounding, "key": self.key}
         if self.residuals is not None:
             out["inputs"] = _to_numpy(self.residuals.inputs)
             out["output"] = _to_numpy(self.residuals.output)
@@ -129,6 +146,10 @@ class Feedback:
                                 f"not {type(d).__name__}")
         residual_dtype, enabled, key = (_entry(d, k) for k in ("residual_dtype", "enabled", "key"))
         residual_dtype, enabled = _plain(residual_dtype), bool(enabled)
+        rounding = _plain(d.get("rounding", True))      # absent before the option: on
+        if not isinstance(rounding, (bool, np.bool_)):
+            raise EchoncclError(f"bad feedback state: rounding {rounding!r}")
+        rounding = bool(rounding)
         if residual_dtype not in wire.RESIDUAL_FORMATS:
             raise EchoncclError(f"bad feedback state: residual_dtype {residual_dtype!r}")
         version, codec = _plain(d.get("version", 1)), _plain(d.get("codec", "int4"))
@@ -139,7 +160,7 @@ class Feedback:
             codec = "int4"                              # states before codecs: the int4 codec's
         key = _normalize_key(key)
         if key is None:
-            self.residual_dtype, self.enabled = residual_dtype, enabled
+            self.residual_dtype, self.enabled, self.rounding = residual_dtype, enabled, rounding
             self.key, self.residuals, self.codec = None, None, None
             return
         if codec not in wire.CODECS:
@@ -164,7 +185,8 @@ class Feedback:
                                     "use Communicator.load_feedback")
             self.residuals = Residuals(zeros(inputs.size, dt), zeros(output.size, dt))
             self.key = key
-        self.residual_dtype, self.enabled, self.codec = residual_dtype, enabled, codec
+        self.residual_dtype, self.enabled, self.codec, self.rounding = residual_dtype, enabled, codec, rounding
+        self.residuals.rounding = rounding
         _copy_into(self.residuals.inputs, inputs)
         _copy_into(self.residuals.output, output)
 

@@ -59,10 +59,12 @@ def available(comm, device_id: int, allgather) -> bool:
     return all(allgather(ok))
 
 
-def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False) -> str:
+def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False,
+               ref32: bool = False) -> str:
     """The fused two-shot entry point; ``whole``: the one for slices that lie whole in 16-byte
-    aligned buffers (no bounds tests: `FusedPaths` picks it when the call allows)."""
-    suffix = "_whole" if whole else ""
+    aligned buffers (no bounds tests: `FusedPaths` picks it when the call allows); ``ref32`` (16-bit
+    data only): the owner's ref in float32, for `Residuals.rounding` off, never accumulating."""
+    suffix = ("_r32" if ref32 else "") + ("_whole" if whole else "")
     return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}{suffix}"
 
 
@@ -86,6 +88,8 @@ def entry_points() -> list[str]:
 
     names = [f(t, r, g, c, w) for f in (fused_name, one_shot_q_name) for c, g in codec_groups()
              for t, r in _FUSED_COMBOS for w in (False, True)]
+    names += [fused_name(t, r, g, c, w, ref32=True) for c, g in codec_groups() for t, r in _FUSED_COMBOS
+              if t != "f32" for w in (False, True)]
     return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 
@@ -193,7 +197,7 @@ class FusedPaths:
         T = fused_tiles(layout.slice_elems)
         region = self._region(layout.slice_bytes, T)
         res = (0, 0) if state is None else (state.inputs.data.ptr, state.output.data.ptr)
-        key = (id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
+        key = (id(region), layout, x.dtype, None if state is None else (state.inputs.dtype, state.rounding),
                x.data.ptr, x.size, out.data.ptr) + res
         first, more = self._plans.get_or_make(key, lambda: self._two_shot_plan(layout, T, region, x, out, state))
         return _rounds_run(first, more, rounds), self._current(region)
@@ -203,10 +207,11 @@ class FusedPaths:
         S, G, P = layout.slice_elems, layout.group, self.size
         t, r, res_in, res_out = _types(x, state)
         grid = min(self.max_blocks, 2 * P * T)
+        ref32 = state is not None and not state.rounding and t != "f32"
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
         whole = WHOLE and _whole_slices(layout, x, out, state)
-        first = _Launch(self.module.kernel(fused_name(t, r, G, layout.codec, whole)), grid, args)
+        first = _Launch(self.module.kernel(fused_name(t, r, G, layout.codec, whole, ref32)), grid, args)
         args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
         return first, _Launch(self.module.kernel(fused_name(t, r, G, layout.codec)), grid, args)
 

@@ -104,6 +104,46 @@ def test_feedback_reset_save_load_and_off():
     assert off.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros) is None
 
 
+def test_feedback_rounding_option(monkeypatch):
+    with pytest.raises(ValueError, match="rounding"):
+        echonccl.Feedback(rounding=1)
+    L, key, bf16 = echonccl.Layout(1000, 2, 32), (1000, 2, 32, "bfloat16"), np.dtype(ml_dtypes.bfloat16)
+    fb = echonccl.Feedback(rounding=False)
+    res = fb.bind(key, L, bf16, np.zeros)
+    assert res.rounding is False
+    assert res.owner_ref(bf16, accumulate=False) == "float32" and res.owner_ref(bf16, accumulate=True) == bf16
+    saved = fb.state_dict()
+    assert saved["rounding"] is False
+    fresh = echonccl.Feedback()
+    fresh.load_state_dict(saved, zeros=np.zeros)
+    assert fresh.rounding is False and fresh.residuals.rounding is False
+    older = {k: v for k, v in saved.items() if k != "rounding"}      # a state saved before the option
+    fresh.load_state_dict(older)
+    assert fresh.rounding is True and fresh.residuals.rounding is True
+    with pytest.raises(EchoncclError, match="rounding"):
+        fresh.load_state_dict({**saved, "rounding": "no"})
+    assert fresh.rounding is True
+    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "0")
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
+        assert c.config.feedback_rounding is False and c.new_feedback().rounding is False
+        assert c.new_feedback(rounding=True).rounding is True
+        assert c.default_feedback(8, "float32").rounding is False
+    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "maybe")
+    with pytest.raises(ValueError, match="ECHONCCL_FEEDBACK_ROUNDING"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu")
+
+
+def test_prepared_call_expires_when_the_feedback_rounding_changes():
+    from echonccl.communicator import _Prepared
+    L, key = echonccl.Layout(64, 2, 32), (64, 2, 32, "bfloat16")
+    fb = echonccl.Feedback()
+    fb.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros)
+    prep = _Prepared(None, None, feedback=fb)
+    assert prep.ready()
+    fb.load_state_dict({**fb.state_dict(), "rounding": False})    # same residual buffers, other option
+    assert fb.residuals.rounding is False and not prep.ready()
+
+
 def test_unbound_load_needs_allocator():
     fb = echonccl.Feedback()
     fb.bind((10, 2, 32, "float32"), echonccl.Layout(10, 2, 32), np.dtype(np.float32), np.zeros)

@@ -110,8 +110,12 @@ def test_no_growth_during_a_capture():
 def test_entry_point_names():
     names = fused.entry_points()
     # two-shot and quantized one-shot x 8 (input, residual) pairs x (3 groups x 2 int4 codecs +
-    # int7-h32's one group) x (general, whole slices); one-shots
-    assert len(names) == len(set(names)) == 2 * 8 * 7 * 2 + 6
+    # int7-h32's one group) x (general, whole slices); the two-shot's float32-ref ones for the 6
+    # pairs of 16-bit data; one-shots
+    assert len(names) == len(set(names)) == 2 * 8 * 7 * 2 + 6 * 7 * 2 + 6
+    assert fused.fused_name("bf16", "bf16", 32, "int4-h32", whole=True, ref32=True) == \
+        "echo_fused_two_shot_bf16_resbf16_g32_h32_r32_whole" in names
+    assert fused.fused_name("f32", "f32", 32, "int4-h32", ref32=True) not in names
     assert fused.one_shot_q_name("bf16", "bf16", 32, "int4-h32", whole=True) == \
         "echo_fused_one_shot_q_bf16_resbf16_g32_h32_whole" in names
     assert fused.fused_name("bf16", "bf16", 32) in names

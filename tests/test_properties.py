@@ -249,13 +249,13 @@ def test_schedules_identical_bounded_and_nan_exact_without_feedback(c):
 
 
 @SETTINGS
-@given(case, st.integers(2, 4), st.sampled_from(["float32", "input", "int8"]), st.integers(1, 3))
-def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
+@given(case, st.integers(2, 4), st.sampled_from(["float32", "input", "int8"]), st.integers(1, 3), st.booleans())
+def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds, rounding):
     P, n, G, algo, dt, cd = c["P"], c["n"], c["group"], c["algo"], c["dtype"], c["codec"]
     assume(residual_dtype != "int8" or rounds == 1)    # int8's bound needs every stored residual seen
     layout = Layout(n, P, G, codec=cd)
     key = (n, P, G, dt)
-    fbs = [Feedback(residual_dtype) for _ in range(P)]
+    fbs = [Feedback(residual_dtype, rounding=rounding) for _ in range(P)]
     states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros, cd) for fb in fbs]
     acc_out, acc_exact, xmax, rmax = np.zeros(n), np.zeros(n), 0.0, 0.0
     for t in range(T):
@@ -276,12 +276,33 @@ def test_schedules_telescope_with_feedback(c, T, residual_dtype, rounds):
     tol = 2.0 ** -18 * T * (P + 1) * xmax + 8 * T * P * SUB
     if residual_dtype == "input" and dt != "float32":
         tol += 2.0 ** -6 * T * (P + 1) * xmax * P
-    if algo in support.ONE_HOP and dt != "float32":   # its output's rounding is not fed back (no owner)
+    if (algo in support.ONE_HOP or not rounding) and dt != "float32":   # its output's rounding is not fed back
         tol += 2.0 ** -7 * T * (P + 1) * xmax
     if residual_dtype == "int8":        # each stored residual is kept to 1/128 of its block's largest,
         # in the domain it is stored in: rotated back (int4-h32), an element sums 32 of those errors
         tol += 2.0 ** -7 * T * (P + 1) * rmax * (codec.ROT_BLOCK if codec.rotated(cd) else 1)
     assert gap <= tol, f"telescoping gap {gap:.3g} > {tol:.3g}"
+
+
+@SETTINGS
+@given(case, st.sampled_from(["float32", "input"]))
+def test_rounding_off_changes_only_the_owner_residual(c, residual_dtype):
+    """Feedback(rounding=False): the same outputs and input residuals; the owner's residual is its
+    sum's quantization error alone, which differs from the default's only for 16-bit outputs."""
+    P, n, G, algo, dt, cd = c["P"], c["n"], c["group"], c["algo"], c["dtype"], c["codec"]
+    layout = Layout(n, P, G, codec=cd)
+    runs = {}
+    for rounding in (True, False):
+        states = [Feedback(residual_dtype, rounding=rounding).bind((n, P, G, dt), layout, dtypes.numpy_dtype(dt),
+                                                                   np.zeros, cd) for _ in range(P)]
+        outs = simulate(algo, make_inputs(c), G, states, 1, cd)
+        runs[rounding] = (b"".join(o.tobytes() for o in outs), b"".join(s.inputs.tobytes() for s in states),
+                          b"".join(s.output.tobytes() for s in states))
+    assert runs[True][:2] == runs[False][:2], "outputs or input residuals depend on rounding"
+    if dt == "float32" or algo in support.ONE_HOP:
+        assert runs[True][2] == runs[False][2]
+    elif n >= 256:
+        assert runs[True][2] != runs[False][2], "rounding=False changed nothing"
 
 
 @SETTINGS

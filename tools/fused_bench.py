@@ -4,7 +4,7 @@ the ``_whole`` one (slices whole and aligned, no bounds tests), and of the quant
 (``q``, ``q_whole``) and the 16-bit one (``one_shot``), one row per size.
 
     python tools/launch.py -n 2 tools/fused_bench.py [--sizes 16M 64M 256M 1G] [--codec int4-h32]
-        [--residual input|float32|int8] [--kernels general whole] [--iters 10] [--reps 2]
+        [--residual input|float32|int8] [--rounding on|off] [--kernels general whole] [--iters 10] [--reps 2]
         [--grid N] [--tiles N]
     bash tools/with_mps.sh [--percent 50] python3 tools/launch.py -n 2 tools/fused_bench.py ...
 
@@ -38,6 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
     p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
+    p.add_argument("--rounding", default="on", choices=("on", "off"),
+                   help="Feedback(rounding=): the owner's output rounding in its residual (default on)")
     p.add_argument("--kernels", nargs="+", default=["general", "whole"],
                    choices=("general", "whole", "q", "q_whole", "one_shot"))
     p.add_argument("--iters", type=int, default=10)
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
     for nbytes in map(parse_size, a.sizes):
         n = nbytes // 2
         layout = Layout(n, P, group, codec=a.codec)
-        state = echonccl.Feedback(a.residual).bind((n, P, group, "bfloat16"), layout, bf16,
+        state = echonccl.Feedback(a.residual, rounding=a.rounding == "on").bind((n, P, group, "bfloat16"), layout, bf16,
                                                    lambda k, dt: cp.zeros(k, dtype=dt), a.codec)
         x = cp.random.default_rng(rank).standard_normal(n, dtype=cp.float32).astype(bf16)
         out = cp.empty_like(x)

@@ -17,7 +17,7 @@ import os
 
 from ..codec import SLICE_QUANTUM, residual_span
 from ..layout import Layout
-from .two_shot import _contribute, two_shot
+from .two_shot import _contribute, _owner_ref, two_shot
 
 MAX_CHUNKS = 8
 MIN_CHUNK_ELEMS = int(os.environ.get("ECHONCCL_PIPELINE_MIN_CHUNK", 1 << 20))
@@ -65,7 +65,8 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
         lo, hi = V.bounds(r * K + j)
         e_out = None if state is None else residual_span(state.output, j * C, (j + 1) * C)
         k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,
-                          wire_out=slot(gather, r), ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
+                          wire_out=slot(gather, r), ref_dtype=_owner_ref(state, out, accumulate),
+                          base=out[lo:hi] if accumulate else None)
         gathered.append(t.start_all_gather(gather, Bc))
     for j in range(K):
         t.wait(gathered[j])

@@ -1,7 +1,7 @@
 """Ring all-reduce: P-1 requantizing reduce-scatter hops, then P-1 hops forwarding codes."""
 from __future__ import annotations
 
-from .two_shot import _part, _quantize
+from .two_shot import _owner_ref, _part, _quantize
 
 
 def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
@@ -33,7 +33,7 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
         else:                            # the owner: its output residual, quantized once more
             k.reduce_quantize(L, incoming=recv, own_pos=1, own=x[lo:hi],
                               residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
-                              ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
+                              ref_dtype=_owner_ref(state, out, accumulate), base=out[lo:hi] if accumulate else None)
 
     t.all_gather(ws.gather, L.slice_bytes)
     k.dequantize(L, ws.gather, out, accumulate)

@@ -23,7 +23,7 @@ def two_shot(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     lo, hi = L.bounds(r)
     k.reduce_quantize(L, incoming=incoming, own_pos=r, own=x[lo:hi],
                       residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
-                      ref_dtype=out.dtype, base=out[lo:hi] if accumulate else None)
+                      ref_dtype=_owner_ref(state, out, accumulate), base=out[lo:hi] if accumulate else None)
     t.all_gather(ws.gather, L.slice_bytes)
     k.dequantize(L, ws.gather, out, accumulate)
 
@@ -50,6 +50,11 @@ def _contribute(k, t, layout, x, state, gather, peers_out, peers_in, first=0, st
         return slot(gather, peers[0]), (t.start_all_gather if start else t.all_gather)(gather, B)
     transfers = ([(s, m) for s, m in zip(peers, mine)], [(s, slot(peers_in, i)) for i, s in enumerate(peers)])
     return peers_in, (t.start if start else t.exchange)(*transfers)
+
+
+def _owner_ref(state, out, accumulate: bool):
+    """The owner's ``ref_dtype`` (`Residuals.owner_ref`; the output's dtype without feedback)."""
+    return out.dtype if state is None else state.owner_ref(out.dtype, accumulate)
 
 
 def _quantize(k, layout, own, residual, wire_out) -> None:

@@ -383,7 +383,8 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
 
 
 def check_fused_reference():
-    """The fused kernels (two_shot and one_shot_q, in turn) against the CPU reference directly,
+    """The fused kernels (two_shot, with and without its output's rounding fed back, and one_shot_q,
+    in turn) against the CPU reference directly,
     without NCCL (so ranks may share a GPU: their IPC-mapped buffers work the same; their kernels
     take turns): outputs and both residuals bit for bit, every codec, every dtype and residual
     dtype, rounds 1 and 2, sizes that run the general kernel and two (slices whole) that run the
@@ -411,10 +412,11 @@ def check_fused_reference():
         ref = echonccl.Communicator(engine="cpu", codec=codec_name, group_size=group)
         for dt in dts:
             for rdt in rdts:
-                for n, algo in ((n, a) for n in sizes for a in ("two_shot", "one_shot_q")):
+                variants = (("two_shot", True), ("two_shot", False), ("one_shot_q", True))
+                for n, (algo, rounding) in ((n, v) for n in sizes for v in variants):
                     run = getattr(paths, algo)
                     L = Layout(n, P, ref.config.group_size, codec=codec_name)
-                    fc, fg = ref.new_feedback(rdt), echonccl.Feedback(rdt)
+                    fc, fg = ref.new_feedback(rdt, rounding=rounding), echonccl.Feedback(rdt, rounding=rounding)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
                     for t in range(4):
                         x = call_data(n, dt, t)
@@ -425,7 +427,7 @@ def check_fused_reference():
                         assert fz._whole_slices(L, xg, out, state) == (n in (3 << 15, 5 << 12)), n
                         run(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
-                        what = f"fused {algo} {codec_name} {dt} res={rdt} n={n} call={t}"
+                        what = f"fused {algo} rounding={rounding} {codec_name} {dt} res={rdt} n={n} call={t}"
                         assert same_bits(to_host(out), yc), f"{what}: fused output differs from the reference"
                         assert_same_residuals(fg, fc, what)
                     run(L, xg, xg, None, 1)                               # in place, no feedback
