@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 NP     ?= 4
 NVCC   ?= nvcc
 
-.PHONY: setup test test-fast corpus demo fatbin gpu-test clean
+.PHONY: setup test test-all test-fast corpus demo kernels gpu-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +16,20 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# The CI command: every test (multi-rank ones under mpiexec, the wheel, nvcc compiles: cached by
-# source fingerprint in build/nvcc-cache, so a second run does not recompile unchanged sources).
+# The CI command: the type check and every test but the long `slow` runs (multi-rank ones under
+# mpiexec, the wheel, nvcc compiles: one compile per run, kept by fingerprint in build/nvcc-cache).
 test: setup corpus
+	$(PY) -m mypy
+	$(PY) -m pytest -q -ra -m "not slow"
+
+# Everything, the `slow` runs included (8 ranks oversubscribed, the longer hypothesis runs).
+test-all: setup corpus
+	$(PY) -m mypy
 	$(PY) -m pytest -q -ra
 
-# The in-process tests only (no mpiexec, no wheel build, no nvcc): seconds.
+# The type check and the in-process tests only (no mpiexec, no wheel build, no nvcc).
 test-fast: setup
+	$(PY) -m mypy
 	$(PY) -m pytest -q -ra -m "not mpi and not nvcc and not wheel"
 
 # The Lee corpus of the SmolLM2 study (pip download gensim, once; cached in ~/.cache/echonccl).
@@ -33,15 +40,16 @@ corpus: setup
 demo: setup
 	$(PY) tools/launch.py -n $(NP) mpi_examples/demo_allreduce.py
 
-# Prebuilt kernels for sm_80 and sm_90 (used when present; NVRTC compiles them otherwise).
-fatbin: setup
-	PY=$(PY) NVCC=$(NVCC) bash tools/build_fatbin.sh
+# The prebuilt kernels of this checkout (echonccl/prebuilt/: sm_80, sm_90, sm_100 + PTX), as the
+# wheel carries them; without them each kernel compiles on demand (NVRTC) at its first use.
+kernels: setup
+	$(PY) -m echonccl.build --nvcc $(NVCC)
 
 # On a GPU machine with cupy, NCCL and Open MPI already installed (the H200 image), two GPUs:
 #   make gpu-test PY=python3            (tests; tools/gpu_suite.sh also has kernels, soak, perf)
-#   ECHONCCL_INSTALLED=1 make gpu-test PY=python3    (against a `pip install .` copy)
+#   ECHONCCL_DEV_INSTALLED=1 make gpu-test PY=python3    (against a `pip install .` copy)
 gpu-test:
 	PY=$(PY) bash tools/gpu_suite.sh gpu-out tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info cuda_src/*.fatbin cuda_src/*.fatbin.sha256
+	rm -rf $(VENV) build *.egg-info echonccl/prebuilt

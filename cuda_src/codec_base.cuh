@@ -1,17 +1,13 @@
 // echonccl codec, the base of the CUDA twin of echonccl/codec.py (codec.cuh has the rules every part
-// keeps): the build knobs, float32 operations with explicit rounding, the element types, and
+// keeps): the launch constants, float32 operations with explicit rounding, the element types, and
 // loads / stores of 8 elements and of the int8 residual format.
 #ifndef ECHO_CODEC_BASE_CUH
 #define ECHO_CODEC_BASE_CUH
 
+// The launch constants come from echonccl/kernel_table.py, which writes them at the top of every
+// source it generates (ECHO_BLOCK: threads per block of every kernel).
 #ifndef ECHO_BLOCK
-#define ECHO_BLOCK 256
-#endif
-// Separate loops for slices that lie whole in aligned buffers (no bounds test per load or
-// store), in reduce_quantize and dequantize; 0: one loop with the tests for every call. reduce_quantize with float32 inputs or
-// residuals keeps the one loop (the second made ptxas spill there: 2-4% slower on H200).
-#ifndef ECHO_FULL_PATH
-#define ECHO_FULL_PATH 1
+#error "ECHO_BLOCK is not defined: compile the sources echonccl/kernel_table.py generates"
 #endif
 
 namespace echo {

@@ -8,14 +8,11 @@
 
 namespace echo {
 
-// Chunks of 8 elements per thread and grid-stride step in dequantize (loads
-// first), for 16-bit and for float32 outputs (measured best on H200: 2 and 1).
-// echonccl/kernels_cuda.py sizes the dequantize grid with the same numbers.
-#ifndef ECHO_DQ_UNROLL16
-#define ECHO_DQ_UNROLL16 2
-#endif
-#ifndef ECHO_DQ_UNROLL32
-#define ECHO_DQ_UNROLL32 1
+// Chunks of 8 elements per thread and grid-stride step in dequantize (loads first), for 16-bit
+// (ECHO_DQ_UNROLL16) and for float32 outputs (ECHO_DQ_UNROLL32): launch constants of
+// echonccl/kernel_table.py, which sizes the dequantize grid with them.
+#if !defined(ECHO_DQ_UNROLL16) || !defined(ECHO_DQ_UNROLL32)
+#error "ECHO_DQ_UNROLL16/32 are not defined: compile the sources echonccl/kernel_table.py generates"
 #endif
 
 // The end of a decode, thread t's 8 elements at out[e0, e0 + 8) ∩ [0, count): decoded values v
@@ -173,7 +170,7 @@ __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __
 // The kernels whose dequantize runs a block a thread (dequantize_block32, on whole aligned slices):
 // int4-h32 at G = 32 into 16 bits. echo_kernels.cu gives these kernels their registers by it.
 template <typename OutT, int G, int kCodec>
-constexpr bool kBlock32Dequantize = ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && sizeof(OutT) == 2 &&
+constexpr bool kBlock32Dequantize = kCodec == kInt4H32 && G == 32 && sizeof(OutT) == 2 &&
                                     ECHO_BLOCK <= 512;   // the staging area is static shared memory
 
 // dequantize_loop for int4-h32 at G = 32 into 16 bits with one thread per 32-element block (= group):
@@ -252,7 +249,7 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
             return;
         }
     }
-    if (ECHO_FULL_PATH && aligned16(out) && count - slice * S >= S)
+    if (aligned16(out) && count - slice * S >= S)
         dequantize_loop<OutT, G, kAcc, kCodec, kPeer, true>(wire, out, count, S, slice, t_first, t_end, stride);
     else
         dequantize_loop<OutT, G, kAcc, kCodec, kPeer, false>(wire, out, count, S, slice, t_first, t_end, stride);
@@ -263,7 +260,7 @@ __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict_
 template <typename OutT, int G, bool kAcc, int kCodec>
 __device__ __forceinline__ void dequantize_sum_body(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
                                                     i64 slice, i64 t_first, i64 t_end, i64 stride) {
-    if (ECHO_FULL_PATH && aligned16(out) && count - slice * S >= S)
+    if (aligned16(out) && count - slice * S >= S)
         dequantize_sum_loop<OutT, G, kAcc, kCodec, false, true>(terms, out, count, S, slice, t_first, t_end, stride);
     else
         dequantize_sum_loop<OutT, G, kAcc, kCodec, false, false>(terms, out, count, S, slice, t_first, t_end, stride);

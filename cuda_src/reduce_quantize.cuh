@@ -8,24 +8,9 @@
 
 namespace echo {
 
-// Software pipelining: load the next grid-stride chunk's own/residual while
-// computing the current one (keeps bytes in flight during the arithmetic).
-#ifndef ECHO_PREFETCH
-#define ECHO_PREFETCH 1
-#endif
-// ... and, where incoming slices are taken one at a time (the fused kernel's owner), the next
-// chunk's incoming code word and scale too: 1 GiB 1951 -> 1915 us on two H200s at 64 registers,
-// only more spills at the fused kernel's 80 (BENCHMARKS.md, eighth pass), so off (0) by default.
-// The standalone kernels take 4 slices at a time and never use it.
-#ifndef ECHO_PREFETCH_IN
-#define ECHO_PREFETCH_IN 0
-#endif
-
-// Incoming slices are consumed in batches of this many, so their loads are in flight together.
-#ifndef ECHO_IN_BATCH
-#define ECHO_IN_BATCH 4
-#endif
-constexpr int kInBatch = ECHO_IN_BATCH;
+// Incoming slices are consumed in batches of this many, so their loads are in flight together
+// (the standalone kernels; the fused owner takes one at a time: fewer registers).
+constexpr int kInBatch = 4;
 
 // True when every residual v - ref of a group is finite by construction, so reduce_quantize may
 // skip its 8 tests: no base, and the group's amax (as bits) so small that no step overflows:
@@ -33,7 +18,7 @@ constexpr int kInBatch = ECHO_IN_BATCH;
 // rounded to RefT (float16: finite below 65504, so amax < 2^10; else amax < 2^120), rotated
 // again and subtracted from |v| <= amax: below 2^127. The caller leaves out int7-h32 (its
 // rotation block spans two groups, whose amax this thread does not see) and float32 inputs
-// (8 bytes spilled with the second path, no faster on H200: BENCHMARKS.md, eighth pass).
+// (8 bytes spilled with the second path, no faster on H200).
 template <typename RefT> struct PlainAmax { static constexpr u32 kBits = 0x7b800000u; };   // 2^120
 template <> struct PlainAmax<half_t> { static constexpr u32 kBits = 0x44800000u; };        // 2^10
 template <typename RefT>
@@ -63,7 +48,7 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
             // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
             // The test is one branch for the M quotients (their largest deviation), taken
             // about once in 2^12 chunks of 8 with float32 scales; bfloat16 scales (8 bits) make
-            // exact ties a few times more frequent on 16-bit data (BENCHMARKS.md, eleventh pass).
+            // exact ties a few times more frequent on 16-bit data.
             const float r = rcp_rn(scale);
             float dev = 0.0f;
 #pragma unroll
@@ -103,7 +88,7 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
 // echo_kernels.cu gives these kernels their registers by it.
 template <typename InT, typename ResT, typename RefT, int G, int kCodec>
 constexpr bool kBlock32Rq =
-    ECHO_BLOCK32 && kCodec == kInt4H32 && G == 32 && ECHO_BLOCK <= 512 &&
+    kCodec == kInt4H32 && G == 32 && ECHO_BLOCK <= 512 &&
     ((sizeof(InT) == 2 && sizeof(RefT) == 2 && (sizeof(ResT) == 2 || sizeof(ResT) == 4)) ||
      (sizeof(InT) == 4 && sizeof(RefT) == 4 && sizeof(ResT) == 4));
 
@@ -138,8 +123,8 @@ struct RqArgs {
 // threads, the fused kernel one tile per block. Ranges hold whole warps. The codes and
 // scales written to wire_out also go to copies[c] + copy_off, c < ncopies (the fused
 // kernel's peers), as they are made.
-// kBatch: incoming slices loaded together (the fused kernel passes ECHO_FUSED_IN_BATCH = 1:
-// fewer registers and spills, faster with two ranks; the standalone kernels use kInBatch).
+// kBatch: incoming slices loaded together (the fused kernel's owner passes 1: fewer registers
+// and spills, faster with two ranks; the standalone kernels use kInBatch).
 // kFull: every buffer holds the whole slice and is 16-byte aligned (reduce_quantize_body
 // checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
@@ -166,46 +151,26 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     const bool res_vec = residual != nullptr && aligned16(residual);
     const int nin = (int)n_in, opos = (int)own_pos;
 
-    // With one incoming slice at a time, its code word and scale are prefetched too.
-    constexpr bool kPfIn = ECHO_PREFETCH && ECHO_PREFETCH_IN && kBatch == 1;
     const int lb = (int)(t_first & (kRotLanes - 1));   // the lane in its rotation block, fixed
     const u32 z16 = rot_sign_word16(lb);
+    // Software pipelining: the next grid-stride chunk's own input and residual are loaded while
+    // this one is computed (bytes in flight during the arithmetic).
     i64 t = t_first;
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
-    Codes8 in_w_next{0u, 0u};
-    u32 in_sc_next = 0u;   // stored bits, widened at the use (ld_scale_bits)
-    if (ECHO_PREFETCH && t < nthreads) {
+    if (t < nthreads) {
         own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
         if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
-        if (kPfIn && nin > 0) {
-            in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t, S);
-            in_sc_next = ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t, t / kLanes);
-        }
     }
     for (; t < nthreads; t += stride) {
         const i64 e0 = t << 3;
         const i64 grp = t / kLanes;
 
-        Raw8<InT> own_r;
-        ResRaw<ResT> res_r;
-        const Codes8 in_w = in_w_next;
-        const float in_sc = scale_of<G, kCodec>(in_sc_next, t);
-        if (ECHO_PREFETCH) {
-            own_r = own_next;
-            res_r = res_next;
-            if (t + stride < nthreads) {
-                own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
-                if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
-                if (kPfIn && nin > 0) {
-                    in_w_next = ld_codes<G, kCodec, kPeer>(incoming, t + stride, S);
-                    in_sc_next = ld_scale_bits<G, kCodec, kPeer>(incoming + codes_bytes, t + stride,
-                                                                 (t + stride) / kLanes);
-                }
-            }
-        } else {
-            own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
-            if (residual != nullptr) res_r = res_load<ResT, kFull>(residual, t, S, res_vec);
+        const Raw8<InT> own_r = own_next;
+        const ResRaw<ResT> res_r = res_next;
+        if (t + stride < nthreads) {
+            own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
+            if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
         }
         float own_v[8], res_v[8];
         if constexpr (kRot && Traits<InT>::kBytes == 2) {   // signs on the packed pairs: 4 ops, not 8
@@ -229,10 +194,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             float sc[kBatch];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
-                if (kPfIn && b0 == 0) {
-                    w[u] = in_w;
-                    sc[u] = in_sc;
-                } else if (b0 + u < nin) {
+                if (b0 + u < nin) {
                     const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
                     w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
                     sc[u] = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, grp), t);
@@ -356,7 +318,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // load_chunks, stage_chunks_async), coalesced and in no register until it is added; float16 data
 // (each thread loads and stores its own 64 bytes) was measured faster unstaged. Incoming slices
 // are loaded kAhead slices ahead of their use. 128 registers (2 blocks of 256 a SM); the choices
-// measured on H200 in BENCHMARKS.md, ninth and tenth passes. Not in the fused kernel: there it
+// measured on H200 (BENCHMARKS.md, "Why the kernels are as they are"). Not in the fused kernel: there it
 // spills, and its other phases lose their occupancy (+16%). Units from u_first (kStage: its
 // warp's first) to S / 32, walked with `stride` (a multiple of 32).
 template <typename InT, typename ResT, typename RefT>
@@ -536,7 +498,7 @@ __device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, Ref
         }
     }
     constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
-    if (ECHO_FULL_PATH && kTwoLoops && whole)
+    if (kTwoLoops && whole)
         reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(a, t_first, t_end, stride);
     else
         reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(a, t_first, t_end, stride);

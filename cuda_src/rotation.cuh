@@ -112,10 +112,7 @@ __device__ __forceinline__ uint4 rot_signs16(uint4 w, u32 z) {
 // ------------------------------------- int4-h32, G = 32: a whole block per thread
 // The kernels where that mapping wins (the standalone owner with a 16-bit reference,
 // reduce_quantize_block32; the standalone dequantize into 16 bits, dequantize_block32) use it
-// on whole, aligned slices; 0: never (every kernel keeps 8 elements a thread).
-#ifndef ECHO_BLOCK32
-#define ECHO_BLOCK32 1
-#endif
+// on whole, aligned slices.
 
 // The five butterfly stages of a 32-element block held as 4 chunks of 8 (h = 8: chunk ^ 1, h = 16:
 // chunk ^ 2).

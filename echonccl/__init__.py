@@ -5,7 +5,6 @@ quantize the sum once, and feed every quantization's residual into the next
 call that shares its `Feedback` state. See README.md and `codec` for the
 wire format.
 """
-from .codec import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from .communicator import Communicator
 from .errors import CommunicatorFailedError, EchoncclError, MismatchError, PeerTimeoutError
 from .feedback import Feedback
@@ -14,4 +13,4 @@ from .layout import Layout
 __version__ = "0.1.0"
 
 __all__ = ["Communicator", "Feedback", "Layout", "EchoncclError", "MismatchError",
-           "PeerTimeoutError", "CommunicatorFailedError", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "__version__"]
+           "PeerTimeoutError", "CommunicatorFailedError", "__version__"]

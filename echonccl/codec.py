@@ -9,7 +9,8 @@ Slices
 A tensor of ``count`` elements is cut into ``P`` slices (one per rank) of
 ``S`` elements each, ``S`` a multiple of ``SLICE_QUANTUM`` = 512 (so of every
 group size) and the tail zero-padded (`layout.Layout`). A slice is cut into
-``S / G`` groups of ``G`` consecutive elements, ``G`` in ``GROUP_SIZES``.
+``S / G`` groups of ``G`` consecutive elements, ``G`` the codec's group size
+(`group_size`: 32 for ``int4`` and ``int4-h32``, 16 for ``int7-h32``).
 
 Byte layout of one slice on the wire (``slice_bytes(S, G)`` bytes)::
 
@@ -81,7 +82,10 @@ NaN/Inf still poison exactly their group. A group whose scale is NaN decodes to
 the scale's NaN in every element, as with ``int4``. Limit: decoded groups
 holding magnitudes near the float32 maximum (above about 2**126, 8.5e37) may
 overflow in the inverse transform and come out +-Inf or NaN (NaN payload then
-unspecified); bfloat16/float16/float32 values below that are unaffected.
+unspecified). A block's quantization error spreads over its 32 elements, so an
+element whose exact value plus the error bound passes the output dtype's maximum
+(float16: a sum within about 1/14 of its block's largest magnitude of 65504) may
+round to +-Inf; ``int4`` returns a single rank's maximum exactly.
 
 ``int4-h32``'s scales: the group's scale is ``amax / 7`` *truncated* to a bfloat16, at
 least 2**-133 (bfloat16's smallest subnormal), stored as the high 16 bits of the float32
@@ -93,7 +97,7 @@ least 2**-133 (bfloat16's smallest subnormal), stored as the high 16 bits of the
 (``trunc_bf16`` as for ``int7-h32`` below). bfloat16 has float32's exponent range, so no
 group underflows or overflows; truncating keeps ``|q * scale| <= amax`` and ``|v / scale|``
 below 7.06 for a normal scale, so no code clips there. SmolLM2-135M: no loss against float32
-scales (ACCURACY.md, section 0), at 10% fewer wire bytes.
+scales (ACCURACY.md), at 10% fewer wire bytes.
 
 The owner's residual is measured in the rotated domain: for a float32 output
 without a base, ``ref = fl(q * scale)`` (the rotated decoded value, as with
@@ -103,7 +107,7 @@ rounded to the output dtype, rotated. Feedback states of one codec are not
 valid for another (`feedback.Feedback` records the codec).
 
 ``int7-h32``: 7-bit codes, a 16-bit scale per 16 elements, the same rotation (the
-accuracy mode: exactly 8 bits an element). Groups are ``G = 16`` (`group_sizes`), so a
+accuracy mode: exactly 8 bits an element). Groups are ``G = 16`` (`group_size`), so a
 rotation block holds two groups. A slice of ``S`` elements is ``S`` bytes::
 
     [ low nibbles: S/2 ][ bits 4-5: S/4 ][ bit 6: S/8 ][ scales: S/16 bfloat16, little-endian ]
@@ -129,7 +133,7 @@ rotation block: a NaN or Inf in a block makes both of its groups non-finite, and
 decoding writes, to all 32 elements of a block where either group's scale is NaN, the
 first such scale's NaN (quieted, then rounded to the output as for ``int4``).
 SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2% of the unsplit model's perplexity
-and 98.2-98.9% top-1 agreement (ACCURACY.md, section 0).
+and 98.2-98.9% top-1 agreement (ACCURACY.md).
 
 Residuals (error feedback)
 --------------------------
@@ -162,8 +166,6 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP_SIZES = (32, 64, 128)       # the 4-bit codecs' group sizes
-DEFAULT_GROUP_SIZE = 32
 CODECS = ("int4", "int4-h32", "int7-h32")
 DEFAULT_CODEC = "int4-h32"
 ROT_BLOCK = 32
@@ -171,7 +173,7 @@ ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512
 QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
-_GROUPS = {"int4": GROUP_SIZES, "int4-h32": GROUP_SIZES, "int7-h32": (16,)}
+_GROUPS = {"int4": 32, "int4-h32": 32, "int7-h32": 16}
 _LEVELS = {"int4": QMAX, "int4-h32": QMAX, "int7-h32": 63}
 _BF16_SCALE = np.dtype("<u2")     # the rotated codecs' scales: the high half of a float32
 RESIDUAL_FORMATS = ("float32", "input", "int8")
@@ -189,24 +191,9 @@ def check_codec(codec: str) -> str:
     return codec
 
 
-def group_sizes(codec: str = "int4") -> tuple[int, ...]:
-    """The group sizes ``codec`` takes: 32, 64, 128 for the 4-bit codecs, 16 for ``int7-h32``."""
+def group_size(codec: str) -> int:
+    """Elements per scale of ``codec``: 32 (``int4``, ``int4-h32``) or 16 (``int7-h32``)."""
     return _GROUPS[check_codec(codec)]
-
-
-def default_group(codec: str) -> int:
-    return DEFAULT_GROUP_SIZE if DEFAULT_GROUP_SIZE in group_sizes(codec) else group_sizes(codec)[0]
-
-
-def check_group_size(group: int, codec: str = "int4") -> int:
-    if group not in group_sizes(codec):
-        raise ValueError(f"group size must be one of {group_sizes(codec)} for codec {codec!r}, got {group!r}")
-    return int(group)
-
-
-def codec_groups() -> list[tuple[str, int]]:
-    """Every valid (codec, group size) pair."""
-    return [(c, g) for c in CODECS for g in _GROUPS[c]]
 
 
 def rotated(codec: str) -> bool:

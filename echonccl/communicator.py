@@ -11,10 +11,11 @@ from . import codec as wire
 from . import config as _config
 from . import dtypes
 from .cache import BufferCache
+from .engine import Engine
 from .errors import CommunicatorFailedError, EchoncclError, MismatchError
 from .feedback import DEFAULT_RESIDUAL, Feedback
 from .layout import Layout
-from .schedules import SCHEDULES, run_rounds
+from .schedules import SCHEDULES, gather_slices, run_rounds
 
 
 @dataclass
@@ -33,18 +34,17 @@ class Workspace:
 class CallSignature(NamedTuple):
     """What every rank must agree on for one all-reduce (`Communicator._check_consistent`)."""
 
-    count: int
+    n: int                    # elements
     shape: tuple
     dtype: str
     algorithm: str
-    group: int
     no_feedback: bool
     rounds: int
     codec: str
 
     def describe(self) -> str:
-        return (f"count={self.count} shape={self.shape} dtype={self.dtype} algorithm={self.algorithm} "
-                f"group={self.group} rounds={self.rounds} codec={self.codec}"
+        return (f"count={self.n} shape={self.shape} dtype={self.dtype} algorithm={self.algorithm} "
+                f"rounds={self.rounds} codec={self.codec}"
                 f"{' no feedback' if self.no_feedback else ''}")
 
 
@@ -131,7 +131,7 @@ class _Prepared:
         return self.valid is None or bool(self.valid())
 
 
-def _pick_engine(name: str, comm, cfg, device):
+def _pick_engine(name: str, comm, cfg, device) -> Engine:
     if name in ("gpu", "auto"):
         try:
             from .engine_gpu import GpuEngine, gpu_available
@@ -140,7 +140,7 @@ def _pick_engine(name: str, comm, cfg, device):
                 raise EchoncclError(f"the GPU engine needs cupy: {exc}") from exc
         else:
             if name == "gpu" or gpu_available():
-                return GpuEngine(comm, cfg.timeout, device=device)
+                return GpuEngine(comm, cfg.timeout, device=device, use_fused=cfg.fused)
     from .engine_cpu import CpuEngine
 
     return CpuEngine(comm, cfg.timeout)
@@ -161,23 +161,24 @@ class Communicator:
     on a real model at the same bytes), ``"int4"``, or ``"int7-h32"`` (the 8-bit accuracy
     mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). ``feedback_rounding``:
     the ``rounding`` of the feedback states this communicator makes (`Feedback`; default True).
-    Options may be overridden by
-    ``ECHONCCL_*`` variables (`config`). Call `close` when done.
+    ``fused``: False keeps the GPU engine off peer-memory kernels (every schedule over NCCL).
+    Each option's ``ECHONCCL_*`` variable, when set, overrides it (`config`, `settings`).
+    Call `close` when done.
     """
 
-    def __init__(self, comm=None, *, engine=None, algorithm=None, group_size=None,
+    def __init__(self, comm=None, *, engine=None, algorithm=None,
                  crossover_bytes=None, timeout=None, rounds=None, device=None, cache_bytes=None,
-                 codec=None, feedback_rounding=None):
+                 codec=None, feedback_rounding=None, fused=None):
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
-        self.config = _config.resolve(engine=engine, algorithm=algorithm, group_size=group_size,
+        self.config = _config.resolve(engine=engine, algorithm=algorithm,
                                       crossover_bytes=crossover_bytes, timeout=timeout, rounds=rounds,
                                       cache_bytes=cache_bytes, codec=codec,
-                                      feedback_rounding=feedback_rounding)
+                                      feedback_rounding=feedback_rounding, fused=fused)
         self._mpi = comm.Dup()   # our own context: a timed-out check cannot poison the caller's comm
-        self.engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
+        self.engine: Engine = _pick_engine(self.config.engine, self._mpi, self.config, device)
         self.rank = self.engine.transport.rank
         self.size = self.engine.transport.size
         self.device = getattr(self.engine, "device_id", None)     # the GPU's index; None on CPU
@@ -192,6 +193,12 @@ class Communicator:
         if _config.debug_enabled() and self.rank == 0:
             print(f"echonccl INFO {_config.describe(self.config)} engine={self.engine.describe()} "
                   f"ranks={self.size}", file=sys.stderr)
+
+    @property
+    def group_size(self) -> int:
+        """Elements per scale of this communicator's codec (32; ``int7-h32``: 16): the unit that
+        NaN/Inf poison and the error bound speaks of."""
+        return wire.group_size(self.config.codec)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, rounds=None, stream=None):
@@ -218,7 +225,7 @@ class Communicator:
 
         Errors: bad arguments (a read-only ``out`` included) raise `TypeError`/`ValueError`
         (a `Feedback` bound to another call: `EchoncclError`) before any communication.
-        The call's signature (count, shape, dtype, algorithm, group size, feedback off,
+        The call's signature (count, shape, dtype, algorithm, codec, feedback off,
         rounds) is checked across ranks, every call on the CPU engine, the first call of
         each signature on the GPU engine: ranks that disagree all raise the same
         `MismatchError`. A peer that does not answer raises `PeerTimeoutError` after the
@@ -249,8 +256,8 @@ class Communicator:
             rounds = self._rounds(rounds, feedback, algo)
             # Every argument error above is local and raised before any communication. From
             # here on, a failure may leave the ranks out of step: it marks the communicator failed.
-            sig = CallSignature(count=xa.size, shape=tuple(xa.shape), dtype=name, algorithm=algo,
-                                group=self.config.group_size, no_feedback=feedback is False, rounds=rounds,
+            sig = CallSignature(n=xa.size, shape=tuple(xa.shape), dtype=name, algorithm=algo,
+                                no_feedback=feedback is False, rounds=rounds,
                                 codec=self.config.codec)
             self._check_consistent(sig)
             try:
@@ -282,7 +289,7 @@ class Communicator:
         capturing = eng.is_capturing()
         fb_entry = self._default_entry(layout.count, name) if feedback is None else None
         fused = eng.fused_schedule(algo, layout)     # one kernel in registered buffers
-        ws = None if fused is not None else self._workspace(layout, capturing, fb_entry, SCHEDULES[algo])
+        ws = None if fused is not None else self._workspace(layout, capturing, algo, fb_entry)
         state = self._feedback(feedback, layout, name, fb_entry, ws, capturing)
         if self._cache.nbytes > self._cache.limit:    # what an earlier call left over the bound
             self._make_room(0, (ws, fb_entry), capturing)
@@ -292,6 +299,7 @@ class Communicator:
             launch, valid = fused(layout, xf, of, state, rounds)
             run = lambda stream, _x, _out: launch(stream)     # noqa: E731
         else:
+            assert ws is not None                    # every non-fused schedule has its workspace
             valid, schedule, wsv = None, SCHEDULES[algo], ws.obj.workspace(layout)
 
             def direct(_stream, x, out):
@@ -483,7 +491,7 @@ class Communicator:
         if not isinstance(feedback, Feedback):
             raise TypeError(f"feedback must be a Feedback, False or None, not {type(feedback).__name__}")
         if feedback.enabled:
-            feedback.check_key((count, self.size, self.config.group_size, name), self.config.codec)
+            feedback.check_key((count, self.size, self.group_size, name), self.config.codec)
 
     def _rounds(self, rounds, feedback, algo: str) -> int:
         """The call's round count: 1 for the exact baseline and, unless asked for explicitly
@@ -525,18 +533,16 @@ class Communicator:
     def _layout(self, count: int) -> Layout:
         layout = self._layouts.get(count)
         if layout is None:
-            layout = self._layouts[count] = Layout(count, self.size, self.config.group_size,
-                                                   codec=self.config.codec)
+            layout = self._layouts[count] = Layout(count, self.size, self.config.codec)
             if len(self._layouts) > _MAX_SIGNATURES:
                 self._layouts.popitem(last=False)
         return layout
 
-    def _workspace(self, layout: Layout, capturing: bool, keep=None, schedule=None):
-        """The cache entry of the wire buffers of ``schedule`` for ``layout``'s size class
+    def _workspace(self, layout: Layout, capturing: bool, algo: str, keep=None):
+        """The cache entry of the wire buffers of schedule ``algo`` for ``layout``'s size class
         (``keep``: another entry this call uses, not to be evicted for it)."""
         B = _size_class(layout.slice_bytes)
-        wide = getattr(schedule, "gather_slices", None)
-        n = None if wide is None else wide(layout.nranks)
+        n = gather_slices(algo, layout.nranks)
         key = ("ws", B, n)
         entry = self._cache.get(key)
         if entry is None:

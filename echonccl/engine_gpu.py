@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import cuda_driver, dtypes, fused, nccl, transport_nccl
+from . import cuda_driver, dtypes, fused, nccl, settings
 from .errors import EchoncclError, PeerTimeoutError
 from .kernels_cuda import CudaKernels
 from .transport_mpi import allgather_digest, allgather_object, node_rank_and_size
@@ -50,22 +50,17 @@ def _as_cupy_stream(stream):
 
 
 # ``auto`` below this input size runs the 16-bit one-shot when peers map each other's memory
-# (measured on two H200s over NVLink: 8 MiB two-shot 37.6 us with 512 tiles against the
-# one-shot's 40.7; 4 MiB 28.0 against 27.7; BENCHMARKS.md, fourth pass).
-FUSED_CROSSOVER_BYTES = int(os.environ.get("ECHONCCL_FUSED_CROSSOVER_BYTES", 8 << 20))
-
-
-# Replay the NCCL path's schedules as CUDA graphs (`GpuEngine.prepare_schedule`).
-GRAPH_SCHEDULES = os.environ.get("ECHONCCL_GRAPH_SCHEDULES", "1") not in ("0", "false", "no")
+# (two H200s over NVLink: the two-shot and the one-shot meet between 4 and 8 MiB; BENCHMARKS.md).
+FUSED_CROSSOVER_BYTES = 8 << 20
 
 
 class _GraphedRun:
     """See `GpuEngine.prepare_schedule`."""
 
-    __slots__ = ("run", "capture", "seen", "graph")
+    __slots__ = ("run", "capture", "priority", "seen", "graph")
 
-    def __init__(self, run, capture: bool = True):
-        self.run, self.capture, self.seen, self.graph = run, capture, False, None
+    def __init__(self, run, capture: bool = True, priority: bool = False):
+        self.run, self.capture, self.priority, self.seen, self.graph = run, capture, priority, False, None
 
     def __call__(self, stream, x, out) -> None:
         capturing = _capturing(stream)
@@ -96,7 +91,7 @@ class _GraphedRun:
                     graph = side.end_capture()
         except Exception:  # noqa: BLE001
             return None
-        if transport_nccl.COMM_PRIORITY:       # replays keep the communication stream's priority
+        if self.priority:       # replays keep the communication stream's priority
             with contextlib.suppress(EchoncclError):
                 return cuda_driver.PriorityGraph(graph)
         return graph
@@ -153,12 +148,14 @@ class GpuEngine:
     # would put a host round trip on the hot path (README "Errors and guarantees").
     per_call_check = False
 
-    def __init__(self, comm, timeout: float, device: int | None = None):
+    def __init__(self, comm, timeout: float, device: int | None = None, use_fused: bool = True):
         self.comm = comm
         self.timeout = timeout
         ndev = cupy.cuda.runtime.getDeviceCount()
         if device is None:
-            device = int(os.environ.get("ECHONCCL_DEVICE", node_rank_and_size(comm)[0] % max(ndev, 1)))
+            device = settings.get("ECHONCCL_DEVICE")
+            if device is None:
+                device = node_rank_and_size(comm)[0] % max(ndev, 1)
         if not 0 <= device < ndev:
             raise EchoncclError(f"rank {comm.Get_rank()}: device {device} does not exist ({ndev} visible)")
         self.device_id = device
@@ -171,13 +168,13 @@ class GpuEngine:
         uid = comm.bcast(uid, root=0)
         self.nccl = nccl.NcclComm.init_rank(size, uid, rank, lib=self.lib)
         self.kernels = CudaKernels()
-        self.kernels.preload()
-        self.transport = NcclTransport(self.nccl, rank, size, _current_stream_ptr)
+        self.transport = NcclTransport(self.nccl, rank, size, _current_stream_ptr,
+                                       priority=settings.get("ECHONCCL_DEV_COMM_PRIORITY"))
+        self._graph_schedules = settings.get("ECHONCCL_DEV_GRAPH_SCHEDULES")
         self.fused = None
         self._warm_up()
-        if size > 1 and fused.available(comm, self.device.id, self.allgather_object):
+        if size > 1 and fused.available(comm, self.device.id, self.allgather_object, enabled=use_fused):
             self.fused = fused.FusedPaths(comm, self.allgather_object, rank, size, timeout, self.is_capturing)
-            self.fused.preload()
 
     # -- description ------------------------------------------------------------------------
     def describe(self) -> str:
@@ -368,7 +365,7 @@ class GpuEngine:
         instead of the schedule's Python, launches and NCCL calls (its pointers are fixed: the
         call's buffers, workspace and residuals). Calls on a capturing stream run it directly
         (their graph holds the work), as does everything after a capture that fails."""
-        return _GraphedRun(run, capture=GRAPH_SCHEDULES)
+        return _GraphedRun(run, capture=self._graph_schedules, priority=self.transport.priority)
 
     def small_algorithm(self) -> str:
         """What ``auto`` runs below the crossover: the 16-bit peer-memory one-shot, else NCCL."""

@@ -65,8 +65,8 @@ class Feedback:
     output's rounding to a 16-bit output dtype (except in calls that accumulate: refinement
     rounds). The errors of a stream then telescope up to one 16-bit rounding a call (what a
     16-bit NCCL all-reduce makes too), and the owner rotates each element twice, not three
-    times (the fused kernel is 8-10% faster on one H200, BENCHMARKS.md thirteenth pass); the
-    default keeps the output's rounding in (ACCURACY.md, section 0d).
+    times (the fused kernel is 8-10% faster on one H200, BENCHMARKS.md); the default keeps the
+    output's rounding in (ACCURACY.md, "Feedback(rounding=False)").
 
     The state also records the codec that wrote it (``codec``, set on binding):
     the rotated codecs (``int4-h32``, ``int7-h32``) keep their residuals in the rotated
@@ -86,7 +86,7 @@ class Feedback:
         self.residual_dtype = residual_dtype
         self.enabled = enabled
         self.rounding = rounding
-        self.key = None
+        self.key: tuple | None = None
         self.codec: str | None = None
         self.residuals: Residuals | None = None
 
@@ -125,8 +125,8 @@ class Feedback:
 
     def state_dict(self) -> dict:
         """A checkpoint: plain numpy copies of the residuals and the binding key."""
-        out = {"version": self.STATE_VERSION, "codec": self.codec, "residual_dtype": self.residual_dtype,
-               "enabled": self.enabled, "rounding": self.rounding, "key": self.key}
+        out: dict = {"version": self.STATE_VERSION, "codec": self.codec, "residual_dtype": self.residual_dtype,
+                     "enabled": self.enabled, "rounding": self.rounding, "key": self.key}
         if self.residuals is not None:
             out["inputs"] = _to_numpy(self.residuals.inputs)
             out["output"] = _to_numpy(self.residuals.output)
@@ -170,7 +170,9 @@ class Feedback:
                                 f"to codec {self.codec!r}")
         try:
             dt = wire.residual_dtype(residual_dtype, dtypes.numpy_dtype(key[3]))
-            layout = Layout(key[0], key[1], key[2], codec=codec)
+            layout = Layout(key[0], key[1], codec)
+            if key[2] != layout.group:
+                raise ValueError(f"group size {key[2]}, codec {codec!r} has {layout.group}")
         except (TypeError, ValueError) as exc:
             raise EchoncclError(f"bad feedback state: key {key!r}: {exc}") from None
         inputs = _as_dtype(_entry(d, "inputs"), dt, wire.residual_size(layout.padded, dt), "inputs")

@@ -1,7 +1,7 @@
 """The GPU engine's fused paths through peer memory: one kernel launch per all-reduce.
 
 * `FusedPaths.two_shot`: the two-shot schedule (`schedules.two_shot`) as ONE kernel
-  (``cuda_src/fused_kernels.cu``): blocks quantize their part of the input into the owner's
+  (``cuda_src/fused.cuh``): blocks quantize their part of the input into the owner's
   registered receive buffer, the owner reduces, requantizes and stores its codes into every
   rank's gather buffer, every rank decodes; flags in peer memory order the steps. Outputs and
   residuals are bitwise those of the three-kernel two_shot, and so of the numpy reference.
@@ -13,84 +13,40 @@
   contributions summed; bitwise the schedule's outputs and residuals.
 
 Used when every rank of the communicator is on one node and every pair of GPUs can map each
-other's memory (`available`), unless ``ECHONCCL_FUSED=0`` (then the NCCL send/recv path runs
-every schedule). Launches go on the current stream, allocate nothing once a size fits the
-registered region, never synchronize the host, and can be captured in a CUDA graph.
+other's memory (`available`), unless the communicator's ``fused`` option is off
+(``ECHONCCL_FUSED=0``; then the NCCL send/recv path runs every schedule). Launches go on the
+current stream, allocate nothing once a size fits the registered region, never synchronize the
+host, and can be captured in a CUDA graph. The kernels and their names: `kernel_table`.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-from collections import OrderedDict
 
-from . import cuda_driver, dtypes, kernels_cuda
+from . import cuda_driver, dtypes, kernel_loader
+from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
 
-SOURCE = "fused_kernels.cu"
-BLOCK = 256
-# Blocks of the fused two-shot per SM: the kernels are built for 3 resident (ECHO_FUSED_MIN_BLOCKS).
-BLOCKS_PER_SM = int(os.environ.get("ECHONCCL_FUSED_BLOCKS_PER_SM", 3))
-# Benchmark switch: 0 runs the general (bounds-tested) fused kernel even where the whole-slice one fits.
-WHOLE = os.environ.get("ECHONCCL_FUSED_WHOLE", "1") not in ("0", "false", "no")
 DEFAULT_MAX_BYTES = 4 << 30
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 
-def enabled_by_env() -> bool:
-    """False when ``ECHONCCL_FUSED=0`` or NCCL is told not to use peer-to-peer (``NCCL_P2P_DISABLE``)."""
-    if os.environ.get("ECHONCCL_FUSED", "1") in ("0", "false", "no"):
-        return False
-    return os.environ.get("NCCL_P2P_DISABLE", "0") in ("0", "")
-
-
-def available(comm, device_id: int, allgather) -> bool:
-    """Collective: True when every rank is on this node and every pair of devices can map each
-    other's memory (or is the same device), at most `MAX_RANKS` ranks. Same answer on every rank."""
+def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
+    """Collective: True when every rank is on this node, has ``enabled`` and NCCL is not told to
+    avoid peer-to-peer (``NCCL_P2P_DISABLE``), and every pair of devices can map each other's
+    memory (or is the same device), at most `MAX_RANKS` ranks. Same answer on every rank."""
     from cupy.cuda import runtime
 
     from .transport_mpi import node_rank_and_size
 
     local = node_rank_and_size(comm)[1] == comm.Get_size() and comm.Get_size() <= MAX_RANKS
-    devs = allgather((device_id, local, enabled_by_env()))
+    enabled = enabled and os.environ.get("NCCL_P2P_DISABLE", "0") in ("0", "")
+    devs = allgather((device_id, local, enabled))
     ok = all(d[1] and d[2] for d in devs)
     if ok:
         ok = all(d == device_id or runtime.deviceCanAccessPeer(device_id, d) for d, _, _ in devs)
     return all(allgather(ok))
-
-
-def fused_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False,
-               ref32: bool = False) -> str:
-    """The fused two-shot entry point; ``whole``: the one for slices that lie whole in 16-byte
-    aligned buffers (no bounds tests: `FusedPaths` picks it when the call allows); ``ref32`` (16-bit
-    data only): the owner's ref in float32, for `Residuals.rounding` off, never accumulating."""
-    suffix = ("_r32" if ref32 else "") + ("_whole" if whole else "")
-    return f"echo_fused_two_shot_{dtype}_res{res}_g{group}{kernels_cuda.codec_suffix(codec_name)}{suffix}"
-
-
-def one_shot_q_name(dtype: str, res: str, group: int, codec_name: str = "int4", whole: bool = False) -> str:
-    """The fused quantized one-shot entry point (``whole``: as in `fused_name`)."""
-    return fused_name(dtype, res, group, codec_name, whole).replace("_two_shot_", "_one_shot_q_")
-
-
-def one_shot_name(dtype: str, low_latency: bool = False) -> str:
-    return f"echo_one_shot_{'ll_' if low_latency else ''}{dtype}"
-
-
-# (input, residual) pairs of the fused two-shot, per group size (cuda_src/fused_kernels.cu).
-_FUSED_COMBOS = (("f16", "f32"), ("f16", "f16"), ("f16", "i8"), ("bf16", "f32"), ("bf16", "bf16"), ("bf16", "i8"),
-                 ("f32", "f32"), ("f32", "i8"))
-
-
-def entry_points() -> list[str]:
-    """Every kernel ``fused_kernels.cu`` defines."""
-    from .codec import codec_groups
-
-    names = [f(t, r, g, c, w) for f in (fused_name, one_shot_q_name) for c, g in codec_groups()
-             for t, r in _FUSED_COMBOS for w in (False, True)]
-    names += [fused_name(t, r, g, c, w, ref32=True) for c, g in codec_groups() for t, r in _FUSED_COMBOS
-              if t != "f32" for w in (False, True)]
-    return names + [one_shot_name(t, ll) for ll in (False, True) for t in _SHORT.values()]
 
 
 def _whole_slices(layout, x, out, state) -> bool:
@@ -103,37 +59,15 @@ def _whole_slices(layout, x, out, state) -> bool:
     return x.size == out.size == P * S and not any(p & 15 for p in ptrs)
 
 
-class _Module:
-    def __init__(self, options=()):
-        self.options = tuple(options)
-        self._raw = None
-        self._kernels = {}
-
-    def kernel(self, name: str):
-        k = self._kernels.get(name)
-        if k is None:
-            import cupy
-
-            if self._raw is None:
-                fatbin = os.environ.get("ECHONCCL_FUSED_FATBIN")
-                if fatbin:
-                    self._raw = cupy.RawModule(path=fatbin)
-                else:
-                    d = kernels_cuda.source_dir()
-                    self._raw = cupy.RawModule(code=kernels_cuda.module_source(SOURCE),
-                                               options=kernels_cuda.NVRTC_OPTIONS + (f"-I{d}",) + self.options)
-            k = self._kernels[name] = self._raw.get_function(name)
-        return k
-
-
 class _Launch:
-    """One kernel launch with its arguments packed once (8-byte values: pointers and ints), made
-    by one ``cuLaunchKernel`` through ctypes on the stream given: what a call costs on the host
-    once its buffers have been seen (CuPy's ``RawKernel`` call converts every argument each time)."""
+    """One launch of `kernel_table.Kernel` ``kernel`` with its arguments packed once (8-byte
+    values: pointers and ints), made by one ``cuLaunchKernel`` through ctypes on the stream given:
+    what a call costs on the host once its buffers have been seen (CuPy's ``RawKernel`` call
+    converts every argument each time)."""
 
-    def __init__(self, kern, grid: int, args):
-        self.kern, self.grid = kern, int(grid)
-        self.fn = kern.kernel.ptr
+    def __init__(self, kernel: Kernel, grid: int, args):
+        self.kern, self.grid = kernel_loader.function(kernel.name), int(grid)
+        self.fn = self.kern.kernel.ptr
         self.vals = (ctypes.c_int64 * len(args))(*[int(a) for a in args])
         base = ctypes.addressof(self.vals)
         self.params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
@@ -143,44 +77,24 @@ class _Launch:
         cuda_driver.launch(self.fn, self.grid, BLOCK, stream.ptr, self.params, getattr(self.kern, "name", "?"))
 
 
-class _Plans(OrderedDict):
-    """Prepared launches by (region, kernel, buffers), least recently used dropped past `MAX_PLANS`."""
-
-    def get_or_make(self, key, make):
-        plan = self.get(key)
-        if plan is None:
-            plan = self[key] = make()
-            if len(self) > MAX_PLANS:
-                self.popitem(last=False)
-        else:
-            self.move_to_end(key)
-        return plan
-
-
-MAX_PLANS = 512
-
 
 class FusedPaths:
     """The fused launches of one communicator over its `PeerMemory` (see the module docstring)."""
 
     def __init__(self, comm, allgather, rank: int, size: int, timeout: float, capturing,
-                 max_bytes: int = DEFAULT_MAX_BYTES, blocks_per_sm: int = BLOCKS_PER_SM, options=()):
+                 max_bytes: int = DEFAULT_MAX_BYTES):
         import cupy
 
         self.rank, self.size = rank, size
         self.peers = PeerMemory(comm, allgather, max_bytes)
         self._capturing = capturing       # () -> bool: the current stream is capturing a graph
         self.timeout_ns = int(timeout * 1e9)
-        self.module = _Module(tuple(options) + tuple(os.environ.get("ECHONCCL_FUSED_DEFINES", "").split()))
         dev = cupy.cuda.runtime.getDevice()
-        self.max_blocks = blocks_per_sm * cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-        self._plans = _Plans()
+        # every block resident at once (the kernels' launch bounds), as ranks that wait on each
+        # other's flags need; tools/fused_bench.py divides it among ranks sharing one GPU
+        self.max_blocks = FUSED_BLOCKS_PER_SM * cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        self.whole = True                 # False: the general kernels everywhere (tools/fused_bench.py)
         self._stream = cupy.cuda.get_current_stream
-
-    def preload(self) -> None:
-        for t in _SHORT.values():
-            self.module.kernel(one_shot_name(t))
-            self.module.kernel(one_shot_name(t, True))
 
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:
@@ -193,27 +107,26 @@ class FusedPaths:
 
     def prepare_two_shot(self, layout, x, out, state, rounds: int = 1):
         """``(run, valid)``: ``run(stream)`` enqueues the fused two_shot of these buffers on a cupy
-        stream; ``valid()`` stays true while the region it uses serves new calls."""
+        stream, ``rounds`` launches (the communicator keeps it for later calls of these buffers);
+        ``valid()`` stays true while the region it uses serves new calls."""
         T = fused_tiles(layout.slice_elems)
         region = self._region(layout.slice_bytes, T)
-        res = (0, 0) if state is None else (state.inputs.data.ptr, state.output.data.ptr)
-        key = (id(region), layout, x.dtype, None if state is None else (state.inputs.dtype, state.rounding),
-               x.data.ptr, x.size, out.data.ptr) + res
-        first, more = self._plans.get_or_make(key, lambda: self._two_shot_plan(layout, T, region, x, out, state))
-        return _rounds_run(first, more, rounds), self._current(region)
+        return self._two_shot_run(layout, T, region, x, out, state, rounds), self._current(region)
 
-    def _two_shot_plan(self, layout, T, region, x, out, state):
-        """The launches of round 1 and of a refinement round (empty input, accumulate)."""
-        S, G, P = layout.slice_elems, layout.group, self.size
+    def _two_shot_run(self, layout, T, region, x, out, state, rounds: int):
+        """Round 1's launch, then ``rounds - 1`` of a refinement round (no input, accumulate)."""
+        S, P = layout.slice_elems, self.size
         t, r, res_in, res_out = _types(x, state)
         grid = min(self.max_blocks, 2 * P * T)
         ref32 = state is not None and not state.rounding and t != "f32"
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
-        whole = WHOLE and _whole_slices(layout, x, out, state)
-        first = _Launch(self.module.kernel(fused_name(t, r, G, layout.codec, whole, ref32)), grid, args)
+        whole = self.whole and _whole_slices(layout, x, out, state)
+        first = _Launch(Kernel("two_shot", t, layout.codec, r, "f32" if ref32 else "", whole), grid, args)
+        if rounds == 1:
+            return first
         args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
-        return first, _Launch(self.module.kernel(fused_name(t, r, G, layout.codec)), grid, args)
+        return _rounds_run(first, _Launch(Kernel("two_shot", t, layout.codec, r), grid, args), rounds)
 
     # -- quantized one-shot -----------------------------------------------------------------
     def one_shot_q_fits(self, layout) -> bool:
@@ -227,23 +140,21 @@ class FusedPaths:
     def prepare_one_shot_q(self, layout, x, out, state, rounds: int = 1):
         """``(run, valid)`` of the fused one_shot_q of these buffers (as `prepare_two_shot`)."""
         region = self._region(*_one_shot_q_needs(layout))
-        res = 0 if state is None else state.inputs.data.ptr
-        key = ("q", id(region), layout, x.dtype, None if state is None else state.inputs.dtype,
-               x.data.ptr, x.size, out.data.ptr, res)
-        first, more = self._plans.get_or_make(key, lambda: self._one_shot_q_plan(layout, region, x, out, state))
-        return _rounds_run(first, more, rounds), self._current(region)
+        return self._one_shot_q_run(layout, region, x, out, state, rounds), self._current(region)
 
-    def _one_shot_q_plan(self, layout, region, x, out, state):
-        S, G, P = layout.slice_elems, layout.group, self.size
+    def _one_shot_q_run(self, layout, region, x, out, state, rounds: int):
+        S, P = layout.slice_elems, self.size
         T = fused_tiles(S)
         t, r, res_in, _ = _types(x, state)
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, S, self.rank, P, T, region.max_tiles, 0,
                 region.table.data.ptr, region.ctl, self.timeout_ns]
-        whole = WHOLE and _whole_slices(layout, x, out, state)
-        first = _Launch(self.module.kernel(one_shot_q_name(t, r, G, layout.codec, whole)), grid, args)
+        whole = self.whole and _whole_slices(layout, x, out, state)
+        first = _Launch(Kernel("one_shot_q", t, layout.codec, r, whole=whole), grid, args)
+        if rounds == 1:
+            return first
         args[1], args[10] = 0, 1   # a refinement round
-        return first, _Launch(self.module.kernel(one_shot_q_name(t, r, G, layout.codec)), grid, args)
+        return _rounds_run(first, _Launch(Kernel("one_shot_q", t, layout.codec, r), grid, args), rounds)
 
     # -- one-shot ---------------------------------------------------------------------------
     def one_shot(self, x, out) -> None:
@@ -253,18 +164,17 @@ class FusedPaths:
 
     def prepare_one_shot(self, x, out):
         """``(run, valid)`` of the one-shot of these buffers (as `prepare_two_shot`)."""
-        n8, T, region = self._one_shot_region(x.size, x.itemsize)
-        key = (id(region), x.dtype, x.data.ptr, x.size, out.data.ptr)
-        return self._plans.get_or_make(key, lambda: self._one_shot_plan(x, out, n8, T, region)), self._current(region)
+        _, T, region = self._one_shot_region(x.size, x.itemsize)
+        return self._one_shot_run(x, out, T, region), self._current(region)
 
-    def _one_shot_plan(self, x, out, n8, T, region):
+    def _one_shot_run(self, x, out, T, region):
         t = _SHORT[dtypes.canonical(x.dtype)]
         if x.nbytes <= LL_MAX_BYTES and not (x.data.ptr | out.data.ptr) & 3:
             words = -(-x.nbytes // 4)
-            return _Launch(self.module.kernel(one_shot_name(t, True)), -(-words // BLOCK),
+            return _Launch(Kernel("one_shot_ll", t), -(-words // BLOCK),
                            [x.data.ptr, out.data.ptr, x.size, self.rank, self.size, LL_WORDS, region.table.data.ptr,
                             region.epochs, region.ctl, self.timeout_ns])
-        return _Launch(self.module.kernel(one_shot_name(t)), max(1, min(self.max_blocks, 2 * T)),
+        return _Launch(Kernel("one_shot", t), max(1, min(self.max_blocks, 2 * T)),
                        [x.data.ptr, out.data.ptr, x.size, self.rank, self.size, ONE_SHOT_TILE, region.max_tiles,
                         region.table.data.ptr, region.ctl, self.timeout_ns])
 
@@ -277,11 +187,6 @@ class FusedPaths:
         return n8, T, self._region(0, T, (self.size - 1) * (-(-(n * itemsize) // 256) * 256))
 
     # -- lifecycle --------------------------------------------------------------------------
-    def clear_plans(self) -> None:
-        """Forget every prepared launch (the next call of each buffer set prepares it again,
-        e.g. after `WHOLE` changed)."""
-        self._plans.clear()
-
     def failed(self) -> bool:
         """True when a kernel gave up waiting for a peer (synchronous: call after the stream is done)."""
         return self.peers.errors()
@@ -310,9 +215,6 @@ def _types(x, state):
 
 def _rounds_run(first, more, rounds: int):
     """``run(stream)``: ``first``, then ``rounds - 1`` launches of ``more`` (refinement rounds)."""
-    if rounds == 1:
-        return first
-
     def run(stream, extra=rounds - 1):
         first(stream)
         for _ in range(extra):

@@ -1,167 +1,26 @@
 """The GPU engine's kernels: `kernels.Kernels` on cupy arrays, bit-exact with `kernels_numpy`.
 
-The kernels live in ``cuda_src/`` (``codec.cuh``: the templates, in the parts it includes:
-``codec_base.cuh``, ``codec_wire.cuh``, ``rotation.cuh``, ``reduce_quantize.cuh``,
-``dequantize.cuh``; ``echo_kernels.cu``: the ``extern "C"`` entry points over one
-instantiation list). Loading, once per
-process (CuPy then keeps one module per device):
-
-1. ``$ECHONCCL_FATBIN`` if set (it must exist);
-2. else a prebuilt ``echo_kernels.fatbin`` (``make fatbin``: ``tools/cuda_build.py``) in the
-   repository's ``cuda_src/`` or the installed package's ``echonccl/cuda_src/``,
-   unless its ``.sha256`` fingerprint says it was built from other sources;
-3. else the source, compiled by NVRTC through ``cupy.RawModule(code=...)``.
-   The headers are inlined into the code so that CuPy's on-disk cache key
-   covers them. (CuPy appends ``-ftz=true`` to NVRTC options; the kernels do all
-   float arithmetic in inline PTX without ``.ftz``, so that cannot change a bit.)
-
-Launches go on the current cupy stream, never synchronize and allocate
-nothing: every argument is a view the caller owns, passed to the kernel as a
-raw pointer (cupy arrays, None for a null pointer) or a Python int (int64).
-
-This module imports without cupy (``entry_points``, ``source_dir`` and
-``module_source`` only need the files). Build tooling (nvcc compile checks,
-the fatbin) is in ``tools/cuda_build.py``, outside the package; it compiles
-with this module's `NVCC_FLAGS`.
+The CUDA code is ``cuda_src/`` (``kernels.cuh`` over ``codec.cuh`` and its parts); which kernels
+exist, and their names, is `kernel_table`'s; `kernel_loader` loads them (prebuilt, or compiled
+on demand). Launches go on the current cupy stream, never synchronize and allocate nothing:
+every argument is a view the caller owns, passed to the kernel as a raw pointer (cupy arrays,
+None for a null pointer) or a Python int (int64).
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from . import codec, dtypes
-
-BLOCK = 256                      # threads per block; matches ECHO_BLOCK / __launch_bounds__
-ELEMS_PER_THREAD = 8
-SOURCE_NAMES = ("codec.cuh", "codec_base.cuh", "codec_wire.cuh", "rotation.cuh", "reduce_quantize.cuh",
-                "dequantize.cuh", "echo_kernels.cu")
-FATBIN_NAME = "echo_kernels.fatbin"
-MODULE_NAME = "echo_kernels.cu"
-# The one definition of the compile flags: exact IEEE arithmetic (no fmad contraction, no
-# flush-to-zero, correctly rounded division and square root), C++17. NVRTC spells -std with
-# two dashes; nvcc (tools/cuda_build.py: compile checks, fatbin) takes the same flags.
-_FLAGS = ("--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
-NVRTC_OPTIONS = ("--std=c++17", *_FLAGS)
-NVCC_FLAGS = ("-std=c++17", *_FLAGS)
+from . import codec, dtypes, kernel_loader
+from . import kernel_table as kt
+from .kernel_table import BLOCK, ELEMS_PER_THREAD
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-# Chunks of 8 outputs per thread and grid-stride step in dequantize, by output
-# type (ECHO_DQ_UNROLL16 / ECHO_DQ_UNROLL32 in dequantize.cuh; only sizes the grid).
-_DQ_UNROLL = {"f16": 2, "bf16": 2, "f32": 1}
-# (input, residual, ref) combinations instantiated in echo_kernels.cu, per group size.
-_RQ_COMBOS = tuple((i, r, f) for i in ("f16", "bf16") for r in ("f32", i, "i8") for f in ("f32", i)) + (
-    ("f32", "f32", "f32"), ("f32", "i8", "f32"))
-_DQ_TYPES = ("f16", "bf16", "f32")
-
-_PKG_DIR = Path(__file__).resolve().parent
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
-
-
-# --------------------------------------------------------------------------- names
-_CODEC_SUFFIX = {"int4": "", "int4-h32": "_h32", "int7-h32": "_i7h32"}
-
-
-def codec_suffix(codec_name: str) -> str:
-    """What a kernel name ends with for ``codec_name`` (`codec.CODECS`): nothing for int4."""
-    return _CODEC_SUFFIX[codec_name]
-
-
-def reduce_quantize_name(in_t: str, res_t: str, ref_t: str, group: int, codec_name: str = "int4") -> str:
-    return f"echo_reduce_quantize_{in_t}_res{res_t}_ref{ref_t}_g{group}{_CODEC_SUFFIX[codec_name]}"
-
-
-def dequantize_name(out_t: str, group: int, accumulate: bool = False, codec_name: str = "int4",
-                    summed: bool = False) -> str:
-    """``summed``: the kernel that decodes the sum of several parts (`Kernels.dequantize`'s ``terms``)."""
-    return (f"echo_dequantize_{'sum_' if summed else ''}{'acc_' if accumulate else ''}{out_t}_g{group}"
-            f"{_CODEC_SUFFIX[codec_name]}")
-
-
-def entry_points() -> list[str]:
-    """Every kernel name ``echo_kernels.cu`` defines (the same list, built the same way)."""
-    names = []
-    for c, g in codec.codec_groups():
-        names += [reduce_quantize_name(i, r, f, g, c) for i, r, f in _RQ_COMBOS]
-        names += [dequantize_name(o, g, acc, c, sm) for sm in (False, True) for o in _DQ_TYPES for acc in (False, True)]
-    return names
 
 
 def _short(dtype) -> str:
     return _SHORT[dtypes.canonical(dtype)]
-
-
-# ------------------------------------------------------------------------- sources
-def source_dirs() -> list[Path]:
-    """Where ``cuda_src`` may be: the repository checkout, then the installed package data."""
-    return [_PKG_DIR.parent / "cuda_src", _PKG_DIR / "cuda_src"]
-
-
-def source_dir() -> Path:
-    for d in source_dirs():
-        if all((d / n).is_file() for n in SOURCE_NAMES):
-            return d
-    raise FileNotFoundError(f"echonccl CUDA sources {SOURCE_NAMES} not found in "
-                            f"{[str(d) for d in source_dirs()]}")
-
-
-def source_fingerprint(d: Path) -> str:
-    """sha256 over the sources, as ``tools/cuda_build.py`` writes it next to the fatbin."""
-    h = hashlib.sha256()
-    for n in SOURCE_NAMES:
-        h.update((d / n).read_bytes())
-    return h.hexdigest()
-
-
-def module_source(name: str = MODULE_NAME) -> str:
-    """The ``.cu`` file ``name`` of `source_dir` with each header it ``#include "..."``s from
-    that directory inlined once, in place (what NVRTC compiles: CuPy's on-disk cache key then
-    covers the headers too)."""
-    d = source_dir()
-    seen: set = set()
-
-    def inline(m):
-        header = m.group(1)
-        if not (d / header).is_file():
-            raise RuntimeError(f'{name}: #include "{header}" is not in {d}')
-        if header in seen:
-            return ""
-        seen.add(header)
-        return _INCLUDE_RE.sub(inline, (d / header).read_text())
-
-    body = _INCLUDE_RE.sub(inline, (d / name).read_text())
-    if name == MODULE_NAME and "codec.cuh" not in seen:
-        raise RuntimeError(f'{MODULE_NAME} must #include "codec.cuh"')
-    return body
-
-
-def find_fatbin() -> Path | None:
-    """The prebuilt fatbin to load, or None (compile the source)."""
-    env = os.environ.get("ECHONCCL_FATBIN")
-    if env:
-        p = Path(env)
-        if not p.is_file():
-            raise FileNotFoundError(f"ECHONCCL_FATBIN={env} does not exist")
-        return p
-    for d in source_dirs():
-        p = d / FATBIN_NAME
-        if not p.is_file():
-            continue
-        stamp = p.with_name(p.name + ".sha256")
-        if stamp.is_file() and all((d / n).is_file() for n in SOURCE_NAMES):
-            if stamp.read_text().strip() != source_fingerprint(d):
-                import warnings
-
-                warnings.warn(f"{p} was built from other sources than those beside it: ignored "
-                              f"(rebuild with make fatbin)", RuntimeWarning, stacklevel=3)
-                continue
-        return p
-    return None
 
 
 # ------------------------------------------------------------------------ geometry
@@ -175,81 +34,27 @@ class Geometry(NamedTuple):
     dq_blocks: dict           # dequantize grid, by unroll factor
 
 
-# -------------------------------------------------------------------------- module
-class _Module:
-    """The process-wide RawModule (lazy) and its RawKernels by name. CuPy loads or
-    compiles the module once per device, on first use there."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._raw = None
-        self._kernels: dict = {}
-        self.origin: str | None = None
-
-    def raw(self):
-        if self._raw is None:
-            with self._lock:
-                if self._raw is None:
-                    import cupy
-
-                    fatbin = find_fatbin()
-                    if fatbin is not None:
-                        self._raw = cupy.RawModule(path=str(fatbin))
-                        self.origin = f"fatbin {fatbin}"
-                    else:
-                        options = NVRTC_OPTIONS + (f"-I{source_dir()}",)
-                        self._raw = cupy.RawModule(code=module_source(), options=options)
-                        self.origin = f"nvrtc {source_dir()}"
-        return self._raw
-
-    def kernel(self, name: str):
-        k = self._kernels.get(name)
-        if k is None:
-            k = self.raw().get_function(name)  # loads / compiles for the current device
-            self._kernels[name] = k
-        return k
-
-
-_MODULE = _Module()
-
-
 # ------------------------------------------------------------------------- kernels
 class CudaKernels:
     """CUDA implementation of `kernels.Kernels` on cupy arrays (current stream, asynchronous).
 
-    Launch geometry: blocks of `BLOCK` = 256 threads, one thread per 8
-    elements. reduce_quantize: a 1-D grid of ``min(S / 2048, blocks_per_sm *
-    SMs)`` blocks looping grid-stride over the slice (4 blocks of it are
-    resident per SM: the kernels are capped at 64 registers, and they prefetch
-    the next chunk while computing one). dequantize: a 2-D grid, ``y`` = one
-    slice per row (only the slices holding ``out``), ``x`` = ``min(S / (2048 *
-    unroll), dq_blocks_per_sm * SMs)``. Both defaults were measured best on H200.
-    ``max_blocks`` (> 0; ``ECHONCCL_CODEC_MAX_BLOCKS``) caps every grid, so that kernels
-    running beside NCCL's on another stream leave SMs free.
+    Launch geometry (`kernel_table`'s constants): blocks of `BLOCK` = 256 threads, one thread
+    per 8 elements. reduce_quantize: a 1-D grid of ``min(S / 2048, RQ_BLOCKS_PER_SM * SMs)``
+    blocks looping grid-stride over the slice (2 to 4 blocks of it are resident per SM, as the
+    kernels' launch bounds say; they prefetch the next chunk while computing one). dequantize: a
+    2-D grid, ``y`` = one slice per row (only the slices holding ``out``), ``x`` =
+    ``min(S / (2048 * unroll), DQ_BLOCKS_PER_SM * SMs)``. Measured best on H200.
+    ``max_blocks`` (> 0) caps every grid, so that kernels running beside NCCL's on another stream
+    leave SMs free (tools/kernel_bench.py).
     """
 
-    def __init__(self, blocks_per_sm: int = 8, dq_blocks_per_sm: int = 16, check: bool = True,
-                 max_blocks: int | None = None):
-        self.blocks_per_sm = int(blocks_per_sm)
-        self.dq_blocks_per_sm = int(dq_blocks_per_sm)
-        if max_blocks is None:
-            max_blocks = int(os.environ.get("ECHONCCL_CODEC_MAX_BLOCKS", 0) or 0)
+    def __init__(self, check: bool = True, max_blocks: int = 0):
         self.max_blocks = int(max_blocks)
         self.check = check
-        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, G, codec) -> RawKernel
-        self._dq: dict = {}       # (out dtype, G, accumulate, codec, summed) -> (RawKernel, unroll)
+        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, codec) -> RawKernel
+        self._dq: dict = {}       # (out dtype, codec, summed) -> (RawKernel, unroll)
         self._geoms: dict = {}    # (layout, device) -> Geometry
         self._sms: dict = {}      # device -> multiprocessor count
-
-    @property
-    def origin(self) -> str | None:
-        """Where the module came from (``fatbin PATH`` / ``nvrtc DIR``), once loaded."""
-        return _MODULE.origin
-
-    def preload(self) -> None:
-        """Load (or compile) every entry point on the current device."""
-        for name in entry_points():
-            _MODULE.kernel(name)
 
     # -- launch geometry ------------------------------------------------------
     def _geom(self, layout) -> Geometry:
@@ -272,8 +77,8 @@ class CudaKernels:
             cap = sms * per_sm if self.max_blocks <= 0 else min(sms * per_sm, self.max_blocks)
             return max(1, min(-(-n // BLOCK), cap))
 
-        dq = {u: blocks(threads // u, self.dq_blocks_per_sm) for u in set(_DQ_UNROLL.values())}
-        g = Geometry(S, G, B, blocks(threads, self.blocks_per_sm), dq)
+        dq = {u: blocks(threads // u, kt.DQ_BLOCKS_PER_SM) for u in set(kt.DQ_UNROLL.values())}
+        g = Geometry(S, G, B, blocks(threads, kt.RQ_BLOCKS_PER_SM), dq)
         if len(self._geoms) >= 256:
             self._geoms.clear()
         self._geoms[key] = g
@@ -281,7 +86,7 @@ class CudaKernels:
 
     # -- kernel lookup ---------------------------------------------------------
     def _rq_kernel(self, key):
-        in_dt, res_dt, ref_dt, group, codec_name = key
+        in_dt, res_dt, ref_dt, codec_name = key
         i = _short(in_dt)
         if res_dt is None:
             r = f = "f32"  # feedback off: any instantiation; the residual pointer is null
@@ -291,16 +96,15 @@ class CudaKernels:
             if r not in ("f32", i, "i8") or f not in ("f32", i):
                 raise TypeError(f"reduce_quantize: residual {res_dt} must be float32, the input dtype {in_dt} "
                                 f"or uint8 (the int8 block format), ref {ref_dt} float32 or {in_dt}")
-        k = _MODULE.kernel(reduce_quantize_name(i, r, f, codec.check_group_size(group, codec_name), codec_name))
+        k = kernel_loader.function(kt.Kernel("reduce_quantize", i, codec_name, r, f).name)
         self._rq[key] = k
         return k
 
     def _dq_kernel(self, key):
-        out_dt, group, accumulate, codec_name, summed = key
+        out_dt, codec_name, summed = key
         t = _short(out_dt)
-        k = (_MODULE.kernel(dequantize_name(t, codec.check_group_size(group, codec_name), accumulate, codec_name,
-                                            summed)),
-             1 if summed else _DQ_UNROLL[t])
+        k = (kernel_loader.function(kt.Kernel("dequantize_sum" if summed else "dequantize", t, codec_name).name),
+             1 if summed else kt.DQ_UNROLL[t])
         self._dq[key] = k
         return k
 
@@ -309,7 +113,7 @@ class CudaKernels:
         geo = self._geom(layout)
         S, G, B = geo.slice_elems, geo.group, geo.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
-        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, G, layout.codec)
+        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, layout.codec)
         kern = self._rq.get(key) or self._rq_kernel(key)
         if residual is None:
             base = None                      # only the residual reads it
@@ -343,7 +147,7 @@ class CudaKernels:
             return
         geo = self._geom(layout)
         S, B = geo.slice_elems, geo.slice_bytes
-        key = (out.dtype, geo.group, bool(accumulate), layout.codec, terms > 1)
+        key = (out.dtype, layout.codec, terms > 1)
         kern, unroll = self._dq.get(key) or self._dq_kernel(key)
         n = -(-count // S)
         part = wire.size // terms
@@ -353,7 +157,8 @@ class CudaKernels:
                                  "aligned wire")
             if count > 1 and out.strides[0] != out.itemsize:
                 raise ValueError("out must be a contiguous 1-D view")
+        acc = 1 if accumulate else 0
         if terms > 1:
-            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S, terms, part))
+            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S, acc, terms, part))
         else:
-            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S))
+            kern((geo.dq_blocks[unroll], n), (BLOCK,), (wire, out, count, S, acc))

@@ -57,18 +57,18 @@ class NumpyKernels:
                    terms: int = 1) -> None:
         S, G, cd = layout.slice_elems, layout.group, layout.codec
         part = wire.size // terms
-        values = nan_group = nan = None
-        for i in range(terms):
+
+        def decode(i):
             q, scale = codec.read_wire(wire[i * part:(i + 1) * part], S, G, cd)
-            v = codec.dequantize_groups(q, scale, G)
-            bad, first = codec.nan_units(scale, G, cd)
-            if values is None:
-                values, nan_group, nan = v, bad, first
-            else:                                    # float32, in term order; the first NaN unit's bits
-                with np.errstate(over="ignore", invalid="ignore"):
-                    values = values + v
-                nan = np.where(nan_group, nan, first)
-                nan_group = nan_group | bad
+            return (codec.dequantize_groups(q, scale, G), *codec.nan_units(scale, G, cd))
+
+        values, nan_group, nan = decode(0)
+        for i in range(1, terms):                    # float32, in term order; the first NaN unit's bits
+            v, bad, first = decode(i)
+            with np.errstate(over="ignore", invalid="ignore"):
+                values = values + v
+            nan = np.where(nan_group, nan, first)
+            nan_group = nan_group | bad
         if terms > 1:                                # a unit whose sum overflowed: the codec's NaN scale
             unit = codec.unit_size(cd, G)
             over = np.repeat((~np.isfinite(values)).reshape(-1, unit).any(axis=1), unit) & ~nan_group
@@ -94,7 +94,7 @@ class NumpyKernels:
 
 _SCALE_NAN = _F32.type(np.nan)       # a non-finite group's scale (codec.quantize_groups): 0x7FC00000
 # The NaN a GPU's arithmetic makes (inf - inf: 0x7fffffff), and its conversions (cvt.rn).
-_CANONICAL_NAN = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF)}
+_CANONICAL_NAN: dict[int, np.unsignedinteger] = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF)}
 
 
 def _canonical_nans(f32: np.ndarray, converted: np.ndarray, nan_group: np.ndarray, flip=None) -> np.ndarray:

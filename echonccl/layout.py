@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from . import codec
+from . import codec as wire
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The slicing of ``count`` elements over ``nranks`` ranks with group size ``group``.
+    """The slicing of ``count`` elements over ``nranks`` ranks in ``codec``'s wire format
+    (`codec.CODECS`; its group size is ``group``).
 
     Rank ``s`` owns elements ``bounds(s)``; every slice has ``slice_elems``
     elements once zero-padded (a multiple of `codec.SLICE_QUANTUM`), and
@@ -21,14 +22,18 @@ class Layout:
 
     count: int
     nranks: int
-    group: int
-    quantum: int = codec.SLICE_QUANTUM
     codec: str = "int4"
+    quantum: int = wire.SLICE_QUANTUM
 
     def __post_init__(self):
-        if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % codec.SLICE_QUANTUM:
+        if self.count < 0 or self.nranks < 1 or self.quantum <= 0 or self.quantum % wire.SLICE_QUANTUM:
             raise ValueError(f"bad layout: count={self.count} nranks={self.nranks} quantum={self.quantum}")
-        codec.check_group_size(self.group, self.codec)
+        wire.check_codec(self.codec)
+
+    @property
+    def group(self) -> int:
+        """Elements per scale (`codec.group_size`)."""
+        return wire.group_size(self.codec)
 
     @cached_property
     def slice_elems(self) -> int:
@@ -38,7 +43,7 @@ class Layout:
 
     @cached_property
     def slice_bytes(self) -> int:
-        return codec.slice_bytes(self.slice_elems, self.group, self.codec)
+        return wire.slice_bytes(self.slice_elems, self.group, self.codec)
 
     @property
     def padded(self) -> int:

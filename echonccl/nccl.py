@@ -21,7 +21,9 @@ import importlib.metadata
 import importlib.util
 import os
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_void_p
+from typing import Any
 
+from . import settings
 from .errors import EchoncclError
 
 MIN_VERSION = (2, 19, 0)
@@ -110,7 +112,7 @@ ncclComm_t = c_void_p
 cudaStream_t = c_void_p
 
 # The one table of the C signatures used: (name, restype, argtypes).
-SIGNATURES = (
+SIGNATURES: tuple[tuple[str, Any, list], ...] = (
     ("ncclGetVersion", ncclResult_t, [POINTER(c_int)]),
     ("ncclGetUniqueId", ncclResult_t, [POINTER(ncclUniqueId)]),
     ("ncclCommInitRank", ncclResult_t, [POINTER(ncclComm_t), c_int, ncclUniqueId, c_int]),
@@ -190,7 +192,7 @@ def _loaded_path(handle) -> str | None:
 
 def find_library() -> str:
     """The path (or, for a system library the loader finds, its soname) of libnccl to use."""
-    env = os.environ.get(ENV_LIBRARY)
+    env = settings.get(ENV_LIBRARY)
     if env:
         if not os.path.isfile(env):
             raise EchoncclError(f"${ENV_LIBRARY}={env!r} is not a file")
@@ -308,7 +310,8 @@ class NcclComm:
     """
 
     def __init__(self, lib: NcclLibrary, handle: c_void_p):
-        self.lib, self._handle = lib, handle
+        self.lib = lib
+        self._handle: c_void_p | None = handle
         self._aborted = False
         f = lib.fn
         self._send, self._recv = f("ncclSend"), f("ncclRecv")

@@ -4,10 +4,9 @@ Each rank allocates one region with plain ``cudaMalloc`` (never CuPy's pool: an 
 names a whole allocation and opens at its base), zeroes it, and exchanges its CUDA IPC
 handle over MPI; every rank opens every other rank's handle. This is how vLLM's custom
 all-reduce and QuickReduce share buffers, and it works with any NCCL (NCCL's own symmetric
-memory would tie the kernels to the device-API headers of the NCCL loaded at run time; see
-BENCHMARKS.md, "Fused path").
+memory would tie the kernels to the device-API headers of the NCCL loaded at run time).
 
-Region layout (offsets 256-byte aligned; ``cuda_src/fused_kernels.cu`` reads the same)::
+Region layout (offsets 256-byte aligned; ``cuda_src/fused.cuh`` reads the same)::
 
     ctl     256 B: epoch, ticket, done, error (u32 each; local use)
     epochs  u32[LL_BLOCKS]: the low-latency one-shot's per-block epochs (local use)
@@ -16,7 +15,7 @@ Region layout (offsets 256-byte aligned; ``cuda_src/fused_kernels.cu`` reads the
     gather  P x slice_bytes: every owner's codes (two_shot's gather)
     push    2 parities x push_bytes: what the one-shots push (16-bit inputs; one_shot_q's parts),
             the half of a call's epoch parity (a rank can be at most one call ahead of another,
-            and these are read until the end of a call: ``cuda_src/fused_kernels.cu``)
+            and these are read until the end of a call: ``cuda_src/fused.cuh``)
     ll      2 parities x (P - 1) slots x LL_WORDS lines of 8 bytes {4 data bytes, epoch}
 
 A `PeerTable` (device array of 8-byte words, per rank: recv, gather, flags, ll; the other ranks'
@@ -30,8 +29,6 @@ CUDA-graph capture (warm the size up first).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 MAX_RANKS = 8
@@ -41,7 +38,7 @@ LL_MAX_BYTES = 1 << 20            # inputs up to this size take the low-latency 
 LL_WORDS = LL_MAX_BYTES // 4
 LL_BLOCKS = 1024
 CHUNK = 256                       # threads (8 elements each) per chunk, as the kernels' blocks
-TILES = int(os.environ.get("ECHONCCL_FUSED_TILES") or 0)   # most tiles per slice (0: by size)
+TILES = 0                         # most tiles per slice (0: by size; tools/fused_bench.py --tiles)
 SMALL_SLICE_CHUNKS = 4096         # up to this many chunks a slice (8 M elements), 512 tiles
 ONE_SHOT_TILE = 1024              # threads per tile of the (not low-latency) one-shot
 
@@ -54,7 +51,7 @@ def fused_tiles(slice_elems: int) -> int:
     """Tiles T of a slice in the fused two-shot: tile j is its chunks j, j + T, ...
     At most 512 tiles up to `SMALL_SLICE_CHUNKS` chunks, 1024 above (two H200s, fused two-shot:
     512 tiles made 8-32 MiB 8-17% faster, 1024 made 128-512 MiB 3-12% faster; BENCHMARKS.md);
-    ``ECHONCCL_FUSED_TILES`` sets the most instead."""
+    `TILES` sets the most instead."""
     chunks = -(-(slice_elems // 8) // CHUNK)
     most = TILES or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
     return max(1, min(chunks, most))

@@ -50,7 +50,7 @@ class Transport(Protocol):
     def start_all_gather(self, buf: Any, n: int) -> Any: ...
 
 
-def gather_transfers(rank: int, size: int, buf, n: int):
+def gather_transfers(rank: int, size: int, buf, n: int) -> tuple[list, list]:
     """`Transport.all_gather` of ``buf`` as one round of point-to-point transfers: this rank's
     part to every peer, each peer's part from it; ``(sends, recvs)`` for `Transport.exchange`."""
     own = buf[rank * n:(rank + 1) * n]

@@ -1,19 +1,9 @@
 """The GPU engine's transport: one NCCL group of ncclRecv/ncclSend per round, ncclAllGather
-for all-gathers (``ECHONCCL_NCCL_ALLGATHER=0``: a round of send/recv instead)."""
+for all-gathers (``ECHONCCL_DEV_NCCL_ALLGATHER=0``: a round of send/recv instead)."""
 from __future__ import annotations
 
-import os
-
+from . import settings
 from .transport import gather_transfers
-
-
-# ECHONCCL_COMM_PRIORITY=1: the communication stream at the device's greatest priority, and the
-# NCCL path's schedule graphs instantiated to keep it (`cuda_driver.PriorityGraph`): when a
-# transfer and a codec kernel become ready together, NCCL's blocks then take the SMs first.
-# Measured on two H200s through host memory (BENCHMARKS.md, fourth pass): two_shot_pipelined at
-# 1 GiB 15.2 -> 14.4-14.7 ms eager, but slower at 16-32 MiB and no better under a caller's CUDA
-# graph (which ignores node priorities), so it is off by default.
-COMM_PRIORITY = os.environ.get("ECHONCCL_COMM_PRIORITY", "0") not in ("0", "false", "no")
 
 
 class NcclTransport:
@@ -30,17 +20,20 @@ class NcclTransport:
     `NcclComm.async_error` and `NcclComm.abort` from the engine for that.
     """
 
-    def __init__(self, nccl_comm, rank: int, size: int, stream_ptr_fn, events: int = 256):
+    def __init__(self, nccl_comm, rank: int, size: int, stream_ptr_fn, events: int = 256,
+                 priority: bool = False):
         self.comm = nccl_comm
         self.rank = rank
         self.size = size
         self._stream_ptr_fn = stream_ptr_fn
         self._send, self._recv = nccl_comm.send, nccl_comm.recv
         self._group_start, self._group_end = nccl_comm.group_start, nccl_comm.group_end
-        self._side = None           # the communication stream and its event ring, made on first start()
+        self._side: tuple | None = None     # the communication stream and its event ring, made on first start()
         self._nevents = events
-        self._all_gather = (nccl_comm.all_gather if os.environ.get("ECHONCCL_NCCL_ALLGATHER", "1") != "0"
-                            else None)
+        self._all_gather = nccl_comm.all_gather if settings.get("ECHONCCL_DEV_NCCL_ALLGATHER") else None
+        # The communication stream at the device's greatest priority (``ECHONCCL_DEV_COMM_PRIORITY``):
+        # when a transfer and a codec kernel become ready together, NCCL's blocks take the SMs first.
+        self.priority = priority
 
     def exchange(self, sends, recvs) -> None:
         """One round on the current stream."""
@@ -66,7 +59,7 @@ class NcclTransport:
 
         if self._side is None:
             # CUDA clamps a priority beyond the device's range to its greatest (Hopper: -5).
-            prio = -1000 if COMM_PRIORITY else 0
+            prio = -1000 if self.priority else 0
             self._side = (cupy.cuda.Stream(non_blocking=True, priority=prio),
                           [cupy.cuda.Event(disable_timing=True) for _ in range(self._nevents)], [0])
         side, ring, at = self._side

@@ -26,7 +26,7 @@ it d times, so its relative error grows until the stream outgrows ``h0``.
 Compared: the exact float64 sum, NCCL-style bf16, plain 4-bit (two_shot,
 ``feedback=False``), and echonccl two_shot, ring and one_shot_q with error feedback (one
 `Feedback` per method, shared by all L layers), and two_shot with ``rounds=2``
-("two_shot x2"), at each group size. Reported:
+("two_shot x2"), for each codec. Reported:
 relative error of each stream against the exact stream at depths 1, 2, 4, ..., L.
 ``--check`` asserts the targets: echonccl's error at depth L is at most 1.5x
 its depth-1 error, plain 4-bit's grows at least 5x (exit status 1 otherwise).
@@ -47,7 +47,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import reducers  # noqa: E402  (studies/, beside this script)
-from plots import panels_per_group  # noqa: E402
+from plots import panels_per_codec  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
@@ -57,12 +57,11 @@ VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=128, help="depth L (<= 128 in the documented runs)")
-    p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--codecs", nargs="+", choices=["int4", "int4-h32", "int7-h32"], default=["int4-h32"],
+                   help="the echonccl codecs to run (default: int4-h32, the library's default)")
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the terms handed to echonccl")
-    p.add_argument("--codec", choices=["int4", "int4-h32", "int7-h32"], default=None,
-                   help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
     p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
                    help="format of the feedback residuals (default input: --dtype, the library's default)")
     p.add_argument("--tokens", type=int, default=16)
@@ -103,14 +102,14 @@ def depths_of(L: int) -> list[int]:
 def run(a, mpi):
     rank, size = mpi.Get_rank(), mpi.Get_size()
     a.size = size
-    comms = reducers.communicators(a.group_sizes, a.engine, a.codec)
-    a.codec_used = next(iter(comms.values())).config.codec
+    comms = reducers.communicators(a.codecs, a.engine)
+    a.codec_used = ",".join(comms)
     methods = {"exact": reducers.Exact(mpi), "bf16": reducers.Bf16(mpi)}
     rd = a.residual_dtype
     for g, c in comms.items():
         for key, algo, fb in VARIANTS:
-            methods[f"{key} G={g}"] = reducers.Echo(c, algo, fb, a.dtype, residual_dtype=rd)
-        methods[f"two_shot x2 G={g}"] = reducers.Echo(c, "two_shot", True, a.dtype, rounds=2, residual_dtype=rd)
+            methods[f"{key} {g}"] = reducers.Echo(c, algo, fb, a.dtype, residual_dtype=rd)
+        methods[f"two_shot x2 {g}"] = reducers.Echo(c, "two_shot", True, a.dtype, rounds=2, residual_dtype=rd)
     outl = np.random.default_rng([a.seed, 2]).choice(a.hidden, a.outliers, replace=False)
     c = shared_components(a, outl, rank, size)
     h0 = np.random.default_rng([a.seed, 3]).standard_t(a.df, size=(a.tokens, a.hidden)) * a.embed
@@ -130,16 +129,16 @@ def run(a, mpi):
     return depths, errs
 
 
-def checks(errs: dict, group_sizes) -> list[tuple[str, float, bool]]:
+def checks(errs: dict, codecs) -> list[tuple[str, float, bool]]:
     """(description, growth, passed) for every echonccl method and plain 4-bit at every group size."""
     out = []
-    for g in group_sizes:
+    for g in codecs:
         for key in ("two_shot", "ring", "one_shot_q", "two_shot x2"):
-            e = errs[f"{key} G={g}"]
-            out.append((f"echonccl {key} G={g}: err(L)/err(1) <= {ECHO_MAX_GROWTH}", e[-1] / e[0],
+            e = errs[f"{key} {g}"]
+            out.append((f"echonccl {key} {g}: err(L)/err(1) <= {ECHO_MAX_GROWTH}", e[-1] / e[0],
                         e[-1] <= ECHO_MAX_GROWTH * e[0]))
-        e = errs[f"plain G={g}"]
-        out.append((f"plain 4-bit G={g}: err(L)/err(1) >= {PLAIN_MIN_GROWTH}", e[-1] / e[0],
+        e = errs[f"plain {g}"]
+        out.append((f"plain 4-bit {g}: err(L)/err(1) >= {PLAIN_MIN_GROWTH}", e[-1] / e[0],
                     e[-1] >= PLAIN_MIN_GROWTH * e[0]))
     return out
 
@@ -152,13 +151,13 @@ def table(depths, errs) -> str:
     return "\n".join(rows)
 
 
-def plot(path, depths, errs, group_sizes, title) -> None:
-    with panels_per_group(path, group_sizes, title, "depth (layers)") as panels:
+def plot(path, depths, errs, codecs, title) -> None:
+    with panels_per_codec(path, codecs, title, "depth (layers)") as panels:
         for ax, g in panels:
-            styles = (("bf16", "k:"), (f"plain G={g}", "r-o"), (f"two_shot G={g}", "b-s"), (f"ring G={g}", "g--^"),
-                      (f"two_shot x2 G={g}", "c-d"))
+            styles = (("bf16", "k:"), (f"plain {g}", "r-o"), (f"two_shot {g}", "b-s"), (f"ring {g}", "g--^"),
+                      (f"two_shot x2 {g}", "c-d"))
             for m, style in styles:
-                ax.loglog(depths, errs[m], style, label=m.replace(f" G={g}", "").replace("plain", "plain 4-bit"), ms=4)
+                ax.loglog(depths, errs[m], style, label=m.replace(f" {g}", "").replace("plain", "plain 4-bit"), ms=4)
 
 
 def main(argv=None) -> int:
@@ -171,7 +170,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     if mpi.Get_rank() != 0:
         return 0
-    res = checks(errs, a.group_sizes)
+    res = checks(errs, a.codecs)
     title = (f"P={mpi.Get_size()} L={a.layers} {a.tokens}x{a.hidden} elems/term, {a.dtype} into echonccl, "
              f"engine {a.engine}, codec {a.codec_used}, {a.residual_dtype} residuals, "
              f"embed={a.embed} shared={a.shared} noise={a.noise} t(df={a.df}) "
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
                        "checks": [{"check": d, "growth": g, "passed": ok} for d, g, ok in res],
                        "wall_s": wall}, f, indent=1)
     if a.plot:
-        plot(a.plot, depths, errs, a.group_sizes, title)
+        plot(a.plot, depths, errs, a.codecs, title)
     return 1 if a.check and not all(ok for _, _, ok in res) else 0
 
 

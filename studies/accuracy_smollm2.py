@@ -19,7 +19,7 @@ ONE `Feedback` for all 60, reset at the start of every forward pass.
 
 Compared with the unsplit model (float32, no all-reduce): exact TP (float64
 sum: checks the split), NCCL-style bf16, plain 4-bit (two_shot,
-``feedback=False``), echonccl two_shot and ring, at each group size. Partial
+``feedback=False``), echonccl two_shot and ring, for each codec. Partial
 sums are computed in float32 and handed to the all-reduce as ``--dtype``
 (default bfloat16, as a bf16 deployment would). Reported: perplexity, its
 change against the unsplit model, top-1 next-token agreement with the unsplit
@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import reducers  # noqa: E402  (studies/, beside this script)
 import smollm2  # noqa: E402
 import tp_llama as tl  # noqa: E402
-from plots import panels_per_group  # noqa: E402
+from plots import panels_per_codec  # noqa: E402
 
 PPL_TOL, MIN_AGREE, GAP_FACTOR = 0.02, 0.97, 0.5
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=0, help="sequences per forward pass (0: all in one)")
-    p.add_argument("--group-sizes", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--codecs", nargs="+", choices=["int4", "int4-h32", "int7-h32"], default=["int4-h32"],
+                   help="the echonccl codecs to run (default: int4-h32, the library's default)")
     p.add_argument("--methods", nargs="+", default=["exact", "bf16", "plain", "two_shot", "ring"],
                    choices=["exact", "bf16", "plain", "two_shot", "ring", "one_shot_q"],
                    help="exact is always run first")
@@ -74,19 +75,17 @@ def parse_args(argv=None):
     p.add_argument("--text", choices=["lee", "wiki"], default="lee",
                    help="lee: the Lee news corpus; wiki: English Wikipedia lead sections (both read out of "
                         "the gensim distribution and cached; studies/corpus.py)")
-    p.add_argument("--codec", choices=["int4", "int4-h32", "int7-h32"], default=None,
-                   help="the echonccl codec (default: the library's default, or ECHONCCL_CODEC)")
     p.add_argument("--residual-dtype", choices=["float32", "input", "int8"], default="input",
                    help="format of the feedback residuals (default input: the --dtype handed to echonccl, "
                    "the library's default)")
-    p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, G=32")
+    p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, one codec")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the residual stream's error after each all-reduce")
     p.add_argument("--check", action="store_true", help="exit 1 unless the accuracy targets hold")
     a = p.parse_args(argv)
     a.methods = ["exact"] + [m for m in a.methods if m != "exact"]
     if a.quick:
-        a.sequences, a.seq_len, a.group_sizes = 2, 64, [32]
+        a.sequences, a.seq_len, a.codecs = 2, 64, a.codecs[:1]
     return a
 
 
@@ -201,12 +200,12 @@ def evaluate(a, mpi, model, toks, red, h_ref, ref_streams):
     return nll, top, float(np.linalg.norm(h - h_ref) / np.linalg.norm(h_ref)), tracer
 
 
-def checks(rows, ref_ppl, group_sizes):
+def checks(rows, ref_ppl, codecs):
     out = []
-    for g in group_sizes:
-        plain = rows.get(f"plain 4-bit two_shot G={g}")
+    for g in codecs:
+        plain = rows.get(f"plain 4-bit two_shot {g}")
         for name, r in rows.items():
-            if not (name.startswith("echonccl ") and f" G={g}" in name):
+            if not (name.startswith("echonccl ") and f" {g}" in name):
                 continue
             gap = abs(r["ppl"] / ref_ppl - 1)
             out.append((f"{name}: |ppl/unsplit - 1| = {gap:.2%} <= {PPL_TOL:.0%}", gap <= PPL_TOL))
@@ -220,15 +219,15 @@ def checks(rows, ref_ppl, group_sizes):
     return out
 
 
-def plot(path, rows, group_sizes, title) -> None:
-    with panels_per_group(path, group_sizes, title, "all-reduce (2 per layer)", legend_size=7) as panels:
+def plot(path, rows, codecs, title) -> None:
+    with panels_per_codec(path, codecs, title, "all-reduce (2 per layer)", legend_size=7) as panels:
         for ax, g in panels:
-            for name, style in (("bf16 (NCCL-style)", "k:"), (f"plain 4-bit two_shot G={g}", "r-"),
-                                (f"echonccl two_shot G={g}", "b-"), (f"echonccl two_shot G={g} + flush", "c--"),
-                                (f"echonccl two_shot G={g} x2", "g-")):
+            for name, style in (("bf16 (NCCL-style)", "k:"), (f"plain 4-bit two_shot {g}", "r-"),
+                                (f"echonccl two_shot {g}", "b-"), (f"echonccl two_shot {g} + flush", "c--"),
+                                (f"echonccl two_shot {g} x2", "g-")):
                 if name in rows and rows[name]["stream_err"]:
                     e = rows[name]["stream_err"]
-                    ax.semilogy(np.arange(1, len(e) + 1), e, style, label=name.replace(f" G={g}", ""))
+                    ax.semilogy(np.arange(1, len(e) + 1), e, style, label=name.replace(f" {g}", ""))
 
 
 def main(argv=None) -> int:
@@ -250,8 +249,8 @@ def main(argv=None) -> int:
     ref_ppl = float(np.exp(nll_ref.mean()))
     t_ref = time.perf_counter() - t0 - t_load
     quantized = {"plain", "two_shot", "ring", "one_shot_q"} & set(a.methods)
-    comms = reducers.communicators(a.group_sizes, a.engine, a.codec) if quantized else {}
-    codec_used = next(iter(comms.values())).config.codec if comms else None
+    comms = reducers.communicators(a.codecs, a.engine) if quantized else {}
+    codec_used = ",".join(comms) if comms else None
     rows, ref_streams = {}, None
     tgt = toks[:, 1:]
     for name, red in methods_of(a, mpi, comms, cfg.n_layers).items():
@@ -268,7 +267,7 @@ def main(argv=None) -> int:
         c.close()
     if rank != 0:
         return 0
-    res = checks(rows, ref_ppl, a.group_sizes)
+    res = checks(rows, ref_ppl, a.codecs)
     heads = [list(map(int, h)) for h in tl.head_split(cfg.n_heads, size)]
     kv = [list(map(int, tl.kv_heads_for(np.array(h), cfg))) for h in heads]
     print(f"# SmolLM2-135M, P={size} ranks, {len(toks)} x {toks.shape[1]} tokens ({nll_ref.size} predictions) "
@@ -298,7 +297,7 @@ def main(argv=None) -> int:
                        "checks": [{"check": d, "passed": ok} for d, ok in res],
                        "wall_s": time.perf_counter() - t0}, f, indent=1)
     if a.plot:
-        plot(a.plot, rows, a.group_sizes, f"SmolLM2-135M, P={size}, {len(toks)}x{toks.shape[1]} tokens, "
+        plot(a.plot, rows, a.codecs, f"SmolLM2-135M, P={size}, {len(toks)}x{toks.shape[1]} tokens, "
              f"{a.dtype} partial sums: stream error vs the exact TP stream")
     return 1 if a.check and not all(ok for _, ok in res) else 0
 

@@ -33,7 +33,9 @@ TEXTS = ("lee", "wiki")
 
 
 def cache_dir() -> str:
-    d = os.environ.get("ECHONCCL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echonccl")
+    from echonccl import settings
+
+    d = settings.get("ECHONCCL_DEV_CORPUS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echonccl")
     os.makedirs(d, exist_ok=True)
     return d
 

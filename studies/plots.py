@@ -1,4 +1,4 @@
-"""The figure both accuracy studies draw: one panel per group size, error on a log axis."""
+"""The figure both accuracy studies draw: one panel per codec, error on a log axis."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -7,18 +7,18 @@ import numpy as np
 
 
 @contextmanager
-def panels_per_group(path: str, group_sizes, title: str, xlabel: str, legend_size: int = 8):
-    """Yield ``[(axis, group_size), ...]`` to draw on; label, title and save the PNG on exit."""
+def panels_per_codec(path: str, codecs, title: str, xlabel: str, legend_size: int = 8):
+    """Yield ``[(axis, codec), ...]`` to draw on; label, title and save the PNG on exit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(group_sizes), figsize=(4.2 * len(group_sizes), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(codecs), figsize=(4.2 * len(codecs), 3.6), sharey=True)
     axes = np.atleast_1d(axes)
-    yield list(zip(axes, group_sizes))
-    for ax, g in zip(axes, group_sizes):
-        ax.set_title(f"group size {g}")
+    yield list(zip(axes, codecs))
+    for ax, g in zip(axes, codecs):
+        ax.set_title(f"codec {g}")
         ax.set_xlabel(xlabel)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("relative error of residual stream")

@@ -68,7 +68,7 @@ class Echo:
         self.dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
         self.feedback = comm.new_feedback(residual_dtype) if feedback else False
         kind = f"echonccl {algorithm}" if feedback else f"plain 4-bit {algorithm}"
-        self.name = (f"{kind} G={comm.config.group_size}" + (f" x{rounds}" if rounds > 1 else "")
+        self.name = (f"{kind} {comm.config.codec}" + (f" x{rounds}" if rounds > 1 else "")
                      + (" + flush" if flush else ""))
         self.gpu = getattr(comm.engine, "name", "cpu") == "gpu"
         if self.gpu and self.dtype == BF16:
@@ -92,17 +92,14 @@ class Echo:
             self.feedback.reset()
 
 
-def communicators(group_sizes, engine: str = "cpu", codec: str | None = None) -> dict:
-    """One echonccl `Communicator` per group size (collective; over MPI.COMM_WORLD), with
-    ``codec`` (None: the default)."""
+def communicators(codecs, engine: str = "cpu") -> dict:
+    """One echonccl `Communicator` per codec (collective; over MPI.COMM_WORLD)."""
     from echonccl import Communicator
 
     comms = {}
-    for g in group_sizes:
-        c = Communicator(engine=engine, group_size=g, codec=codec)
-        if c.config.group_size != g:
-            raise RuntimeError(f"asked for group size {g}, got {c.config.group_size}: unset ECHONCCL_GROUP_SIZE")
-        if codec is not None and c.config.codec != codec:
-            raise RuntimeError(f"asked for codec {codec}, got {c.config.codec}: unset ECHONCCL_CODEC")
-        comms[g] = c
+    for cd in codecs:
+        c = Communicator(engine=engine, codec=cd)
+        if c.config.codec != cd:
+            raise RuntimeError(f"asked for codec {cd}, got {c.config.codec}: unset ECHONCCL_CODEC")
+        comms[cd] = c
     return comms

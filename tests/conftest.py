@@ -55,9 +55,11 @@ def _echonccl_dir() -> tuple[Path, bool]:
 def pytest_configure(config):
     # NVLink multicast off in this process too, as in everything the launcher starts
     os.environ["NCCL_NVLS_ENABLE"] = launch.FIXED["NCCL_NVLS_ENABLE"]
+    # one nvcc compile per run, shared by the compile tests and the wheel they build (echonccl.build)
+    os.environ.setdefault("ECHONCCL_DEV_NVCC_CACHE", str(ROOT / "build" / "nvcc-cache"))
     where, inside = _echonccl_dir()
     if launch.installed_mode() and inside:
-        raise pytest.UsageError(f"ECHONCCL_INSTALLED=1 but echonccl is imported from the checkout ({where}): "
+        raise pytest.UsageError(f"ECHONCCL_DEV_INSTALLED=1 but echonccl is imported from the checkout ({where}): "
                                 f"run pytest from outside {ROOT} (tools/gpu_suite.sh does)")
 
 

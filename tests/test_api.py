@@ -58,16 +58,18 @@ def test_dtypes_by_name_dtype_or_scalar_type(comm):
 
 
 def test_bad_options_are_named():
-    with pytest.raises(ValueError, match="group size"):
-        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=48)
+    with pytest.raises(ValueError, match="codec"):
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec="int5")
+    with pytest.raises(TypeError, match="group_size"):      # the codec fixes it
+        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=32)
     with pytest.raises(ValueError, match="algorithm"):
         echonccl.Communicator(MPI.COMM_SELF, engine="cpu", algorithm="tree")
 
 
 def test_environment_overrides_keywords(monkeypatch):
-    monkeypatch.setenv("ECHONCCL_GROUP_SIZE", "128")
-    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", group_size=32) as c:
-        assert c.config.group_size == 128
+    monkeypatch.setenv("ECHONCCL_CODEC", "int7-h32")
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec="int4") as c:
+        assert c.config.codec == "int7-h32" and c.group_size == 16
 
 
 def test_closed_communicator_refuses(comm):
@@ -77,16 +79,16 @@ def test_closed_communicator_refuses(comm):
 
 
 def test_feedback_binds_to_one_layout():
-    L = echonccl.Layout(1000, 2, 32)
+    L = echonccl.Layout(1000, 2)
     fb = echonccl.Feedback()
     res = fb.bind((1000, 2, 32, "float32"), L, np.dtype(np.float32), np.zeros)
     assert res.inputs.shape == (L.padded,) and res.output.shape == (L.slice_elems,)
     with pytest.raises(EchoncclError, match="bound to"):
-        fb.bind((2000, 2, 32, "float32"), echonccl.Layout(2000, 2, 32), np.dtype(np.float32), np.zeros)
+        fb.bind((2000, 2, 32, "float32"), echonccl.Layout(2000, 2), np.dtype(np.float32), np.zeros)
 
 
 def test_feedback_reset_save_load_and_off():
-    L = echonccl.Layout(1000, 2, 32)
+    L = echonccl.Layout(1000, 2)
     key = (1000, 2, 32, "bfloat16")
     fb = echonccl.Feedback(residual_dtype="input")
     res = fb.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros)
@@ -107,7 +109,7 @@ def test_feedback_reset_save_load_and_off():
 def test_feedback_rounding_option(monkeypatch):
     with pytest.raises(ValueError, match="rounding"):
         echonccl.Feedback(rounding=1)
-    L, key, bf16 = echonccl.Layout(1000, 2, 32), (1000, 2, 32, "bfloat16"), np.dtype(ml_dtypes.bfloat16)
+    L, key, bf16 = echonccl.Layout(1000, 2), (1000, 2, 32, "bfloat16"), np.dtype(ml_dtypes.bfloat16)
     fb = echonccl.Feedback(rounding=False)
     res = fb.bind(key, L, bf16, np.zeros)
     assert res.rounding is False
@@ -135,7 +137,7 @@ def test_feedback_rounding_option(monkeypatch):
 
 def test_prepared_call_expires_when_the_feedback_rounding_changes():
     from echonccl.communicator import _Prepared
-    L, key = echonccl.Layout(64, 2, 32), (64, 2, 32, "bfloat16")
+    L, key = echonccl.Layout(64, 2), (64, 2, 32, "bfloat16")
     fb = echonccl.Feedback()
     fb.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros)
     prep = _Prepared(None, None, feedback=fb)
@@ -146,7 +148,7 @@ def test_prepared_call_expires_when_the_feedback_rounding_changes():
 
 def test_unbound_load_needs_allocator():
     fb = echonccl.Feedback()
-    fb.bind((10, 2, 32, "float32"), echonccl.Layout(10, 2, 32), np.dtype(np.float32), np.zeros)
+    fb.bind((10, 2, 32, "float32"), echonccl.Layout(10, 2), np.dtype(np.float32), np.zeros)
     with pytest.raises(EchoncclError, match="allocator"):
         echonccl.Feedback().load_state_dict(fb.state_dict())
 
@@ -169,8 +171,8 @@ def test_choose_algorithm_resolves_auto_by_size(monkeypatch):
 def test_call_signature_names_its_fields():
     from echonccl.communicator import CallSignature
 
-    sig = CallSignature(count=6, shape=(2, 3), dtype="bfloat16", algorithm="ring", group=32,
+    sig = CallSignature(n=6, shape=(2, 3), dtype="bfloat16", algorithm="ring",
                         no_feedback=True, rounds=1, codec="int4-h32")
-    assert CallSignature(*tuple(sig)) == sig and sig._fields[0] == "count"
-    assert sig.describe() == ("count=6 shape=(2, 3) dtype=bfloat16 algorithm=ring group=32 rounds=1 "
+    assert CallSignature(*tuple(sig)) == sig and sig._fields[0] == "n"
+    assert sig.describe() == ("count=6 shape=(2, 3) dtype=bfloat16 algorithm=ring rounds=1 "
                               "codec=int4-h32 no feedback")

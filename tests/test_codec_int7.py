@@ -18,13 +18,12 @@ I7 = "int7-h32"
 
 
 def test_groups_and_slice_bytes():
-    assert codec.group_sizes(I7) == (16,) and codec.default_group(I7) == 16
+    assert codec.group_size(I7) == 16 and Layout(512, 1, I7).group == 16
+    assert codec.group_size("int4-h32") == codec.group_size("int4") == 32
     assert codec.slice_bytes(512, 16, I7) == 512                       # exactly 8 bits an element
-    assert Layout(5000, 2, 16, codec=I7).slice_bytes == Layout(5000, 2, 16, codec=I7).slice_elems
-    with pytest.raises(ValueError, match="16"):
-        Layout(512, 1, 32, codec=I7)
-    with pytest.raises(ValueError):
-        codec.check_group_size(16, "int4-h32")
+    assert Layout(5000, 2, I7).slice_bytes == Layout(5000, 2, I7).slice_elems
+    with pytest.raises(ValueError, match="codec"):
+        codec.group_size("int8")
 
 
 def test_wire_layout_bit_by_bit():
@@ -68,7 +67,7 @@ def test_scale_rule_and_decode_within_amax(seed, e, ties):
 
 def test_float16_max_decodes_finite():
     """Truncating the scale keeps the dtype's largest value finite through the whole call."""
-    L = Layout(512, 1, 16, codec=I7)
+    L = Layout(512, 1, I7)
     x = np.zeros(512, np.float16)
     x[3], x[40] = np.float16(65504), np.float16(-65504)
     wire, out = np.zeros(L.slice_bytes, np.uint8), np.zeros(512, np.float16)
@@ -80,7 +79,7 @@ def test_float16_max_decodes_finite():
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
 def test_nan_poisons_its_block_of_two_groups(dtype):
-    L = Layout(1024, 1, 16, codec=I7)
+    L = Layout(1024, 1, I7)
     x = (np.random.default_rng(1).standard_normal(1024)).astype(dtype)
     x[70] = np.nan                           # group 4 (64..79): block 2 (64..95)
     x[300] = np.inf                          # group 18 (288..303): block 9 (288..319)
@@ -103,15 +102,13 @@ def test_communicator_state_round_trip_and_group():
 
     from echonccl.errors import EchoncclError
 
-    with pytest.raises(ValueError, match="16"):
-        echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec=I7, group_size=32)
     fb = echonccl.Feedback()
-    fb.bind((3000, 2, 16, "float32"), Layout(3000, 2, 16, codec=I7), np.dtype(np.float32), np.zeros, I7)
+    fb.bind((3000, 2, 16, "float32"), Layout(3000, 2, I7), np.dtype(np.float32), np.zeros, I7)
     fb.residuals.inputs[:] = 0.125
     sd = fb.state_dict()
     assert sd["codec"] == I7
     with echonccl.Communicator(MPI.COMM_SELF, engine="cpu", codec=I7) as c:
-        assert c.config.group_size == 16
+        assert c.group_size == 16
         loaded = c.load_feedback(sd)
         assert loaded.codec == I7 and np.all(loaded.residuals.inputs == 0.125)
     with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:

@@ -54,11 +54,11 @@ def _round_trip(v, layout, out_dtype=np.float32):
     return wire, out
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
-def test_nonfinite_poisons_exactly_its_group(group, bad, dtype):
-    L = Layout(1024, 1, group, codec=H32)
+def test_nonfinite_poisons_exactly_its_group(bad, dtype):
+    group = 32
+    L = Layout(1024, 1, H32)
     v = np.random.default_rng(1).standard_normal(1024).astype(np.float32)
     at = 3 * group + 7
     v[at] = bad
@@ -67,11 +67,11 @@ def test_nonfinite_poisons_exactly_its_group(group, bad, dtype):
     assert np.isnan(out.astype(np.float32)[g]).all(), "the group of the NaN/Inf is not all NaN"
     assert np.isfinite(out.astype(np.float32)[~g]).all(), "a neighbouring group was poisoned"
     # the same NaN bits as the int4 codec writes for a NaN group (the scale's NaN)
-    _, ref = _round_trip(v, Layout(1024, 1, group), dtype)
+    _, ref = _round_trip(v, Layout(1024, 1), dtype)
     assert out[g].tobytes() == ref[g].tobytes()
 
 
-@pytest.mark.parametrize("group", codec.GROUP_SIZES)
+@pytest.mark.parametrize("group", [16, 32])
 def test_bfloat16_scales_layout_rule_and_range(group):
     """int4-h32's scales (codec.py, "int4-h32's scales"): a bfloat16 per group after the S/2 code
     bytes, amax / 7 truncated (at least 2**-133), 0x7FC0 for a non-finite group; decoded values
@@ -102,7 +102,7 @@ def test_bfloat16_scales_layout_rule_and_range(group):
     normal = scale[2:] >= 2.0 ** -126
     err = np.abs(d.astype(np.float64) - g[2:])[normal]
     assert np.all(err <= scale[2:][normal, None].astype(np.float64) * (0.5 + 2.0 ** -20))
-    L = Layout(512, 1, group, codec=H32)
+    L = Layout(512, 1, H32)
     x = np.zeros(512, np.float16)
     x[3], x[40] = np.float16(65504), np.float16(-65504)
     wire, out = np.zeros(L.slice_bytes, np.uint8), np.zeros(512, np.float16)
@@ -117,15 +117,15 @@ def test_rotation_beats_int4_on_outliers_and_stays_within_its_bound():
     v[rng.integers(0, v.size, 200)] *= 30                   # outliers, one per few groups
     errs = {}
     for name in codec.CODECS:
-        _, out = _round_trip(v, Layout(v.size, 1, codec.default_group(name), codec=name))
+        _, out = _round_trip(v, Layout(v.size, 1, name))
         errs[name] = float(np.linalg.norm(out - v) / np.linalg.norm(v))
     assert errs[H32] < 0.6 * errs["int4"], errs
     assert errs["int7-h32"] < errs[H32] / 8, errs            # 63 levels against 7
     amax = np.repeat(np.abs(v.reshape(-1, 32)).max(axis=1), 32)
-    _, out = _round_trip(v, Layout(v.size, 1, 32, codec=H32))
+    _, out = _round_trip(v, Layout(v.size, 1, H32))
     assert np.all(np.abs(out - v) <= 32 * amax / 14 * (1 + 2.0 ** -10))
     # int7-h32: half a step of a scale no larger than amax / 63, 32 of them per element
-    _, out = _round_trip(v, Layout(v.size, 1, 16, codec="int7-h32"))
+    _, out = _round_trip(v, Layout(v.size, 1, "int7-h32"))
     assert np.all(np.abs(out - v) <= 32 * amax / 126 * (1 + 2.0 ** -10))
 
 
@@ -133,7 +133,7 @@ def test_rotation_beats_int4_on_outliers_and_stays_within_its_bound():
 def test_owner_residual_is_what_the_output_holds_rotated(dtype):
     """ref_dtype rounding and the base of a refinement round are measured in the values' domain
     and fed back rotated: residual == acc - rotate(out - base) (base 0 without accumulate)."""
-    L = Layout(1024, 1, 32, codec=H32)
+    L = Layout(1024, 1, H32)
     rng = np.random.default_rng(3)
     inc = np.zeros(L.slice_bytes, np.uint8)
     NK.reduce_quantize(L, None, 0, (rng.standard_normal(1024) * 1e-2).astype(np.float32), None, inc, np.float32)
@@ -153,7 +153,7 @@ def test_owner_residual_is_what_the_output_holds_rotated(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 def test_accumulate_adds_the_unrotated_sum_once(dtype):
-    L = Layout(1024, 1, 32, codec=H32)
+    L = Layout(1024, 1, H32)
     rng = np.random.default_rng(4)
     v = rng.standard_normal(1024).astype(np.float32)
     wire = np.zeros(L.slice_bytes, np.uint8)
@@ -176,12 +176,12 @@ def test_codec_option_environment_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="codec must be one of"):
         echonccl.Communicator(MPI.COMM_SELF, engine="cpu")
     with pytest.raises(ValueError, match="codec must be one of"):
-        Layout(100, 1, 32, codec="int8")
+        Layout(100, 1, "int8")
 
 
 def _bound(codec_name, count=1000):
     fb = echonccl.Feedback()
-    fb.bind((count, 2, 32, "float32"), Layout(count, 2, 32, codec=codec_name), np.dtype(np.float32),
+    fb.bind((count, 2, 32, "float32"), Layout(count, 2, codec_name), np.dtype(np.float32),
             np.zeros, codec_name)
     fb.residuals.inputs[:] = 0.25
     return fb

@@ -41,6 +41,22 @@ def test_hello(mpirun, cpu, n):
     assert 0 < err < 0.2, out                     # one 4-bit quantization of Gaussian data: ~0.12
 
 
+def test_demo_shows_feedback_keeps_the_stream_error_flat(mpirun, cpu):
+    out = run_ok(mpirun, 2, ["mpi_examples/demo_allreduce.py"])
+    rows = {}
+    for line in out.splitlines():
+        for name in ("16-bit sum (NCCL)", "plain 4-bit, no feedback", "echonccl 4-bit + feedback"):
+            if line.startswith(name):
+                rows[name] = [float(v) for v in line[len(name):].split()]
+    assert len(rows) == 3, out
+    bf16, plain, echo = rows.values()
+    assert bf16[0] == 16 and plain[0] == echo[0] == 4.5, out          # wire bits an element
+    assert plain[-1] > 3 * plain[1], out                                # plain 4-bit: grows with depth
+    assert echo[-1] <= echo[1] and echo[-1] < plain[-1] / 5, out        # feedback: one call's error
+    assert bf16[-1] < echo[-1], out
+    assert "one all-reduce of 65536 bfloat16: echonccl" in out, out
+
+
 @pytest.mark.skipif(visible_gpus() > 0, reason="a GPU is visible: engine auto would pick it")
 def test_hello_auto_engine_is_cpu_without_gpu(mpirun, monkeypatch):
     monkeypatch.delenv("ECHONCCL_ENGINE", raising=False)

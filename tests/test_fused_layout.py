@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from echonccl import fused, kernels_cuda, peer_memory
+from echonccl import fused, kernel_table, peer_memory
 from echonccl.errors import EchoncclError
 from echonccl.peer_memory import (ALIGN, CHUNK, LL_WORDS, PeerMemory, fused_tiles, one_shot_tiles,
                                   region_layout)
@@ -17,7 +17,7 @@ def test_fused_tiles_cover_the_chunks(elems, want, monkeypatch):
     monkeypatch.setattr(peer_memory, "TILES", 0)
     chunks = -(-(elems // 8) // CHUNK)
     assert fused_tiles(elems) == want and 1 <= want <= chunks
-    monkeypatch.setattr(peer_memory, "TILES", 64)          # ECHONCCL_FUSED_TILES=64
+    monkeypatch.setattr(peer_memory, "TILES", 64)
     assert fused_tiles(elems) == min(chunks, 64)
 
 
@@ -46,7 +46,7 @@ def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles, push):
 def test_peer_table_matches_the_kernels_struct():
     """`peer_table`: recv, gather, flags, ll of every rank, the other ranks' gather areas in ring
     order, every rank's push area, the other ranks' push areas, then the push parity's bytes
-    (fused_kernels.cu's PeerTable, 8-byte words)."""
+    (fused.cuh's PeerTable, 8-byte words)."""
     M, P, rank = peer_memory.MAX_RANKS, 3, 1
     lay = region_layout(P, 4096, 64, 1000)
     bases = [1 << 40, 2 << 40, 3 << 40]
@@ -56,7 +56,7 @@ def test_peer_table_matches_the_kernels_struct():
         assert [t[k * M + s] for k in (0, 1, 2, 3, 5)] == [b + lay[n] for n in ("recv", "gather", "flags", "ll", "push")]
     assert [t[4 * M + k] for k in range(P - 1)] == [bases[2] + lay["gather"], bases[0] + lay["gather"]]
     assert [t[6 * M + k] for k in range(P - 1)] == [bases[2] + lay["push"], bases[0] + lay["push"]]
-    src = (kernels_cuda.source_dir() / fused.SOURCE).read_text()
+    src = (kernel_table.source_dir() / "fused.cuh").read_text()
     body = src[src.index("struct PeerTable {"):src.index("};", src.index("struct PeerTable {"))]
     fields = [ln.split("//")[0].split() for ln in body.splitlines()[1:]]
     assert [f[-1].split("[")[0].rstrip(";") for f in fields if f] == ["recv", "gather", "flags", "ll", "gather_peers", "push",
@@ -107,26 +107,6 @@ def test_no_growth_during_a_capture():
     assert pm.regions == [r]
 
 
-def test_entry_point_names():
-    names = fused.entry_points()
-    # two-shot and quantized one-shot x 8 (input, residual) pairs x (3 groups x 2 int4 codecs +
-    # int7-h32's one group) x (general, whole slices); the two-shot's float32-ref ones for the 6
-    # pairs of 16-bit data; one-shots
-    assert len(names) == len(set(names)) == 2 * 8 * 7 * 2 + 6 * 7 * 2 + 6
-    assert fused.fused_name("bf16", "bf16", 32, "int4-h32", whole=True, ref32=True) == \
-        "echo_fused_two_shot_bf16_resbf16_g32_h32_r32_whole" in names
-    assert fused.fused_name("f32", "f32", 32, "int4-h32", ref32=True) not in names
-    assert fused.one_shot_q_name("bf16", "bf16", 32, "int4-h32", whole=True) == \
-        "echo_fused_one_shot_q_bf16_resbf16_g32_h32_whole" in names
-    assert fused.fused_name("bf16", "bf16", 32) in names
-    assert fused.fused_name("bf16", "bf16", 32, "int4-h32", whole=True) == "echo_fused_two_shot_bf16_resbf16_g32_h32_whole"
-    assert fused.fused_name("bf16", "bf16", 32, "int4-h32") == "echo_fused_two_shot_bf16_resbf16_g32_h32"
-    assert fused.fused_name("bf16", "bf16", 16, "int7-h32") == "echo_fused_two_shot_bf16_resbf16_g16_i7h32" in names
-    assert "echo_one_shot_ll_f32" in names
-    src = kernels_cuda.module_source(fused.SOURCE)
-    assert '#include "codec.cuh"' not in src and "reduce_quantize_body" in src   # the header inlined
-
-
 class _Buf:
     """What `fused._whole_slices` reads of an engine array: size, itemsize, dtype, data.ptr."""
 
@@ -147,12 +127,12 @@ def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
 
     from echonccl.layout import Layout
 
-    L = Layout(P * 4096, P, 32, codec="int4-h32")
+    L = Layout(P * 4096, P, "int4-h32")
     S = L.slice_elems
     res = SimpleNamespace(inputs=_Buf(P * S, 1 << 20), output=_Buf(S, 2 << 20))
     x, out = _Buf(P * S, 3 << 20), _Buf(P * S, 4 << 20)
     assert fused._whole_slices(L, x, out, res) and fused._whole_slices(L, x, x, None)
-    assert not fused._whole_slices(Layout(P * 4096 - 1, P, 32), _Buf(P * 4096 - 1, 3 << 20), out, res)
+    assert not fused._whole_slices(Layout(P * 4096 - 1, P), _Buf(P * 4096 - 1, 3 << 20), out, res)
     assert not fused._whole_slices(L, _Buf(P * S, (3 << 20) + 8), out, res)
     assert not fused._whole_slices(L, x, _Buf(P * S, (4 << 20) + 2), res)
     odd = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 4), output=res.output)

@@ -36,8 +36,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:overflow encou
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 DTYPES = {"f16": F16, "bf16": BF16, "f32": F32}
 UINT = {2: np.uint16, 4: np.uint32}
-S = 2048  # 16 groups of 128: room for every adversarial kind
+S = 2048  # 64 groups of 32: room for every adversarial kind
 NK = NumpyKernels()
+CODEC_GROUPS = [(c, codec.group_size(c)) for c in codec.CODECS]
 
 
 # ----------------------------------------------------------------- numpy-side helpers
@@ -163,11 +164,11 @@ def ck():
 
 @pytest.mark.parametrize("res", ["none", "f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd,group", codec.codec_groups())
+@pytest.mark.parametrize("cd,group", CODEC_GROUPS)
 def test_reduce_quantize_matches_numpy(ck, dt, res, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng([ord(c) for c in dt + res] + [group])
-    layout = Layout(S, 1, group, codec=cd)
+    layout = Layout(S, 1, cd)
     refs = ["f32"] if (res == "none" or dtype == F32) else ["f32", "in"]
     cases = [  # (n_in, own_pos, own_n, offset)
         (0, 0, S, 0), (0, 0, 1000, 0), (0, 0, 513, 1), (0, 0, 1, 0), (0, 0, 0, 0), (0, 0, S - 3, 1),
@@ -209,7 +210,7 @@ def tie_slices(rng, layout: Layout) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dt", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("cd,group", [(c, g) for c, g in codec.codec_groups() if codec.bf16_scales(c)])
+@pytest.mark.parametrize("cd,group", [(c, g) for c, g in CODEC_GROUPS if codec.bf16_scales(c)])
 def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
     """8-bit scales make exact ties of the quotient v / scale common (reduce_quantize.cuh's
     quantize_values takes its exact path for them): exact ties, quotients about 2^-20 and 2^-24
@@ -218,7 +219,7 @@ def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
     checked to hold exact and near ties."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt), len(cd)])
-    layout = Layout(S, 1, group, codec=cd)
+    layout = Layout(S, 1, cd)
     B = layout.slice_bytes
     incoming = tie_slices(rng, layout)
     acc = sum(codec.decode(incoming[i * B:(i + 1) * B], S, group, cd) for i in range(3))
@@ -239,14 +240,14 @@ def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
 
 @pytest.mark.parametrize("res", ["f32", "input", "i8"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd,group", codec.codec_groups())
+@pytest.mark.parametrize("cd,group", CODEC_GROUPS)
 def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
     """The owner of a refinement round: ref = round(base + decoded) - base, base being its slice
     of the output so far (adversarial: NaN, Inf, the dtype's max, subnormals), full, partial,
     empty and unaligned."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt), len(res)])
-    layout = Layout(S, 1, group, codec=cd)
+    layout = Layout(S, 1, cd)
     ref_dtype = ref_for(dtype, "in")
     for n_in, base_n, off in [(1, S, 0), (3, S, 1), (1, 1000, 0), (2, 513, 1), (1, 0, 0)]:
         incoming = make_incoming(rng, layout, n_in, dtype)
@@ -265,9 +266,9 @@ def test_reduce_quantize_with_base_matches_numpy(ck, dt, res, group, cd):
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_residual_feedback_over_calls(ck, dt, res, cd):
     """Consecutive calls, each fed the residual the previous one left (both engines' own)."""
-    dtype, group = DTYPES[dt], codec.default_group(cd)
+    dtype, group = DTYPES[dt], codec.group_size(cd)
     rng = np.random.default_rng(7)
-    layout = Layout(S, 1, group, codec=cd)
+    layout = Layout(S, 1, cd)
     residual = make_residual(rng, dtype, res)
     ref_dtype = ref_for(dtype, "in")
     for step in range(4):
@@ -279,11 +280,11 @@ def test_residual_feedback_over_calls(ck, dt, res, cd):
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd,group", codec.codec_groups())
+@pytest.mark.parametrize("cd,group", CODEC_GROUPS)
 def test_dequantize_matches_numpy(ck, dt, group, cd):
     dtype = DTYPES[dt]
     rng = np.random.default_rng(group)
-    layout = Layout(3 * S, 3, group, codec=cd)
+    layout = Layout(3 * S, 3, cd)
     wire = make_incoming(rng, layout, 3, dtype)
     wire_d = to_dev(wire)
     for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0), (0, 0)]:
@@ -301,13 +302,13 @@ def test_dequantize_matches_numpy(ck, dt, group, cd):
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd,group", codec.codec_groups())
+@pytest.mark.parametrize("cd,group", CODEC_GROUPS)
 def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
     """out += decoded (rounds > 1): prior outputs with NaNs of several payloads, Inf, huge and
     subnormal values, against NaN-scale, zero and huge wire groups; full, partial, unaligned."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt)])
-    layout = Layout(3 * S, 3, group, codec=cd)
+    layout = Layout(3 * S, 3, cd)
     wire = make_incoming(rng, layout, 3, dtype)
     wire_d = to_dev(wire)
     for count, off in [(3 * S, 0), (3 * S - 5, 0), (2 * S + 1, 1), (S, 1), (1, 0)]:
@@ -328,14 +329,14 @@ def test_dequantize_accumulate_matches_numpy(ck, dt, group, cd):
 
 @pytest.mark.parametrize("terms", [2, 3])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("cd,group", codec.codec_groups())
+@pytest.mark.parametrize("cd,group", CODEC_GROUPS)
 def test_dequantize_sum_matches_numpy(ck, dt, group, cd, terms):
     """The sum of `terms` wires (one_shot_q's decode): each term's NaN, Inf, zero, subnormal and
     huge groups at other places than the others' (a unit NaN in any term is NaN, the first
     term's bits), written and accumulated, full, partial and unaligned."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, terms, len(dt)])
-    layout = Layout(2 * S, 2, group, codec=cd)
+    layout = Layout(2 * S, 2, cd)
     wire = np.concatenate([make_incoming(rng, layout, 2, dtype) for _ in range(terms)])
     wire_d = to_dev(wire)
     for count, off, acc in [(2 * S, 0, False), (2 * S - 5, 0, False), (S + 1, 1, False), (1, 0, False),
@@ -377,15 +378,15 @@ def test_dequantize_sum_matches_numpy(ck, dt, group, cd, terms):
     assert np.array_equal(summed.astype(F32), one.astype(F32), equal_nan=True), "a term of zeros adds nothing"
 
 
-@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
+@pytest.mark.parametrize("grid", [{"max_blocks": 1}, {"max_blocks": 3}])
 @pytest.mark.parametrize("cd", codec.CODECS)
 def test_large_slice_grid_stride(cd, grid):
-    """A slice bigger than one grid (blocks_per_sm=1, or grids capped at 3 blocks as
-    ECHONCCL_CODEC_MAX_BLOCKS does): the grid-stride loop, several incoming slices."""
+    """A slice bigger than one grid (grids capped at 1 or 3 blocks, as `CudaKernels(max_blocks=)`
+    does): the grid-stride loop, several incoming slices."""
     ck1 = CudaKernels(**grid)
     rng = np.random.default_rng(3)
     big_s = 1 << 19
-    layout = Layout(big_s * 4, 4, 16 if codec.wide(cd) else 64, codec=cd)
+    layout = Layout(big_s * 4, 4, cd)
     assert layout.slice_elems == big_s
     B = layout.slice_bytes
     dtype = BF16
@@ -414,7 +415,7 @@ def adversarial_slice(rng, n: int, dtype) -> np.ndarray:
     return np.concatenate([make_own(rng, S, dtype, 32, "int4-h32") for _ in range(-(-n // S))])[:n]
 
 
-@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
+@pytest.mark.parametrize("grid", [{"max_blocks": 1}, {"max_blocks": 3}])
 @pytest.mark.parametrize("dt,res", [("f16", "input"), ("bf16", "input"), ("f16", "f32"), ("bf16", "f32"),
                                     ("f32", "f32")])
 @pytest.mark.parametrize("big_s", BLOCK32_SLICES)
@@ -426,7 +427,7 @@ def test_block32_owner_grid_stride(dt, res, grid, big_s):
     ck1 = CudaKernels(**grid)
     dtype = DTYPES[dt]
     rng = np.random.default_rng(11)
-    layout = Layout(big_s * 4, 4, 32, codec="int4-h32")
+    layout = Layout(big_s * 4, 4, "int4-h32")
     assert layout.slice_elems == big_s
     residual = (rng.standard_normal(big_s) * 0.01).astype(dtype if res == "input" else F32)
     for n_in, own_pos in [(0, 0), (1, 1), (3, 0), (3, 2)]:
@@ -440,7 +441,7 @@ def test_block32_owner_grid_stride(dt, res, grid, big_s):
                                f"block32 {dt} res={res} S={big_s} n_in={n_in} own_pos={own_pos}")
 
 
-@pytest.mark.parametrize("grid", [{"blocks_per_sm": 1}, {"max_blocks": 3}])
+@pytest.mark.parametrize("grid", [{"max_blocks": 1}, {"max_blocks": 3}])
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 @pytest.mark.parametrize("big_s", BLOCK32_SLICES)
 def test_block32_dequantize_grid_stride(dt, grid, big_s):
@@ -452,7 +453,7 @@ def test_block32_dequantize_grid_stride(dt, grid, big_s):
     ck1 = CudaKernels(**grid)
     dtype = DTYPES[dt]
     rng = np.random.default_rng([big_s, len(dt)])
-    layout = Layout(big_s * 2, 2, 32, codec="int4-h32")
+    layout = Layout(big_s * 2, 2, "int4-h32")
     assert layout.slice_elems == big_s
     B = layout.slice_bytes
     wire = np.zeros(2 * B, dtype=np.uint8)
@@ -477,7 +478,7 @@ def test_block32_dequantize_grid_stride(dt, grid, big_s):
 
 def test_no_allocation_and_current_stream(ck):
     """Launches go on the current stream and allocate nothing from cupy's pool."""
-    layout = Layout(S, 1, 32)
+    layout = Layout(S, 1)
     own = to_dev(np.ones(S, dtype=F16))
     res = cupy.zeros(S, dtype=np.float32)
     wire = cupy.zeros(layout.slice_bytes, dtype=np.uint8)
@@ -498,7 +499,7 @@ def test_no_allocation_and_current_stream(ck):
 
 def test_argument_checks(ck):
     """Bad views are refused before any launch (an out-of-bounds write would corrupt memory)."""
-    layout = Layout(S, 1, 32)
+    layout = Layout(S, 1)
     B = layout.slice_bytes
     own = cupy.zeros(S + 8, dtype=F16)
     res = cupy.zeros(S + 8, dtype=np.float32)
@@ -527,7 +528,7 @@ def test_rotated_partial_last_slice_and_nan_groups(ck, dt, cd):
     unit: the group of 32 (int4-h32), the block of two groups of 16 (int7-h32)."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng(11)
-    layout = Layout(2 * S, 2, codec.default_group(cd), codec=cd)
+    layout = Layout(2 * S, 2, cd)
     B = layout.slice_bytes
     wire = np.zeros(2 * B, np.uint8)
     for i in range(2):

@@ -13,7 +13,7 @@ CHECKS = ["fused", "matches_reference", "pipelined_matches_two_shot", "rounds", 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_gpu_check(mpirun, check, monkeypatch):
-    monkeypatch.setenv("ECHONCCL_PIPELINE_MIN_CHUNK", "512")    # two_shot_pipelined chunks test sizes
+    monkeypatch.setenv("ECHONCCL_DEV_PIPELINE_MIN_CHUNK", "512")    # two_shot_pipelined chunks test sizes
     res = mpirun(2, ["tests/mpi/checks.py", check, "gpu"], timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert f"OK {check} ranks=2 engine=gpu" in res.stdout

@@ -57,3 +57,40 @@ def test_a_rank_a_call_ahead_never_overwrites_what_a_slow_peer_reads(mpirun, ran
     res = mpirun(ranks, ["tests/mpi/checks.py", "fused_skew", "gpu"], timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert f"OK fused_skew ranks={ranks} engine=gpu" in res.stdout
+
+
+def test_a_kernel_compiled_on_demand_matches_the_prebuilt_one(tmp_path, monkeypatch, capfd):
+    """The loader without a prebuilt fatbin compiles one kernel with NVRTC (empty caches: one
+    line says so), a second loader on the same node finds it in the caches and says nothing; the
+    kernel computes the same bits as the prebuilt one (or, without one, as the numpy reference)."""
+    import cupy
+    import ml_dtypes
+
+    from echonccl import kernel_loader
+    from echonccl import kernel_table as kt
+    from echonccl.kernels_numpy import NumpyKernels
+    from echonccl.layout import Layout
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cupy"))
+    monkeypatch.setenv("ECHONCCL_KERNEL_CACHE", str(tmp_path / "echonccl"))
+    name = "echo_dequantize_bf16_int4_h32"
+    jit = kernel_loader.KernelLoader(None)
+    fn = jit.function(name)
+    assert jit.origins == {name: "nvrtc"} and jit.function(name) is fn
+    err = capfd.readouterr().err
+    assert err.count(f"compiled {name} for sm_") == 1, err
+    assert list((tmp_path / "echonccl").glob(f"{name}-*.done")), "no record of the compile"
+    again = kernel_loader.KernelLoader(None)
+    again.function(name)
+    assert "compiled" not in capfd.readouterr().err      # the node's cache: loaded, not compiled
+
+    layout = Layout(4096, 1, "int4-h32")
+    x = np.random.default_rng(5).standard_normal(4096).astype(np.float32)
+    wire = np.zeros(layout.slice_bytes, np.uint8)
+    NumpyKernels().reduce_quantize(layout, None, 0, x, None, wire, "float32")
+    want = np.zeros(4096, ml_dtypes.bfloat16)
+    NumpyKernels().dequantize(layout, wire, want)
+    for f in (fn, kernel_loader.LOADER.function(name)):       # on demand; the process's own
+        got = cupy.zeros(4096, dtype=cupy.uint16)           # bfloat16 bits (cupy has no bfloat16)
+        f((16, 1), (kt.BLOCK,), (cupy.asarray(wire), got, 4096, layout.slice_elems, 0))
+        assert got.get().tobytes() == want.tobytes()

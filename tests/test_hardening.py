@@ -234,7 +234,7 @@ def test_empty_algorithm_is_refused_by_the_configuration():
 
 def test_feedback_bound_elsewhere_is_rejected_even_on_one_rank(comm):
     fb = echonccl.Feedback()
-    fb.bind((1024, 2, 32, "float32"), echonccl.Layout(1024, 2, 32), np.dtype(np.float32), np.zeros)
+    fb.bind((1024, 2, 32, "float32"), echonccl.Layout(1024, 2), np.dtype(np.float32), np.zeros)
     with pytest.raises(EchoncclError, match="bound to"):
         comm.all_reduce(np.ones(1024, np.float32), feedback=fb)      # world size 1 here, 2 in fb
 
@@ -298,7 +298,7 @@ def test_exchange_detects_messages_of_another_size():
 # -- feedback state: save and load --------------------------------------------------------------
 def _bound(residual_dtype, dtype="bfloat16", count=1000, nranks=2):
     fb = echonccl.Feedback(residual_dtype)
-    L = echonccl.Layout(count, nranks, 32)
+    L = echonccl.Layout(count, nranks)
     res = fb.bind((count, nranks, 32, dtype), L, np.dtype(echonccl.dtypes.numpy_dtype(dtype)), np.zeros)
     rng = np.random.default_rng(0)
     res.inputs[:] = rng.standard_normal(res.inputs.size).astype(res.inputs.dtype)

@@ -8,7 +8,7 @@ from launch import ROOT, TOOLS
 
 
 def test_environment_puts_the_checkout_first_and_keeps_nvls_off(monkeypatch):
-    monkeypatch.delenv("ECHONCCL_INSTALLED", raising=False)
+    monkeypatch.delenv("ECHONCCL_DEV_INSTALLED", raising=False)
     monkeypatch.setenv("PYTHONPATH", f"/elsewhere{os.pathsep}{ROOT}")
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.setenv("ECHONCCL_TIMEOUT", "7")
@@ -21,7 +21,7 @@ def test_environment_puts_the_checkout_first_and_keeps_nvls_off(monkeypatch):
 
 
 def test_installed_mode_leaves_the_checkout_off_the_path(monkeypatch):
-    monkeypatch.setenv("ECHONCCL_INSTALLED", "1")
+    monkeypatch.setenv("ECHONCCL_DEV_INSTALLED", "1")
     monkeypatch.delenv("PYTHONPATH", raising=False)
     assert launch.environment()["PYTHONPATH"] == str(TOOLS)
 

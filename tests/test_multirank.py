@@ -12,7 +12,7 @@ CASES += [("rounds", n) for n in (2, 3, 4)]
 @pytest.mark.mpi
 @pytest.mark.parametrize("check,n", CASES)
 def test_check(mpirun, check, n, monkeypatch):
-    monkeypatch.setenv("ECHONCCL_PIPELINE_MIN_CHUNK", "512")    # chunks even at test sizes
+    monkeypatch.setenv("ECHONCCL_DEV_PIPELINE_MIN_CHUNK", "512")    # chunks even at test sizes
     res = mpirun(n, ["tests/mpi/checks.py", check, "cpu"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"OK {check} ranks={n} engine=cpu" in res.stdout
@@ -27,7 +27,7 @@ CODEC_CASES = [(check, n, c) for c in OTHER_CODEC
 @pytest.mark.parametrize("check,n,codec_name", CODEC_CASES)
 def test_check_other_codec(mpirun, check, n, codec_name, monkeypatch):
     """The same checks with the codec that is not the default (ECHONCCL_CODEC)."""
-    monkeypatch.setenv("ECHONCCL_PIPELINE_MIN_CHUNK", "512")
+    monkeypatch.setenv("ECHONCCL_DEV_PIPELINE_MIN_CHUNK", "512")
     monkeypatch.setenv("ECHONCCL_CODEC", codec_name)
     res = mpirun(n, ["tests/mpi/checks.py", check, "cpu"])
     assert res.returncode == 0, res.stdout + res.stderr

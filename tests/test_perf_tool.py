@@ -164,8 +164,7 @@ def test_single_rank_run(no_env_overrides, capsys):
 @pytest.mark.parametrize("option,shown,conflict,refusal", [
     (["--rounds", "2"], "feedback on (input residuals), rounds 2, algorithms two_shot ring",
      ["--rounds", "2", "--no-feedback"], "--rounds 2 sends the feedback residuals"),
-    (["--codec", "int7-h32"], "codec int7-h32, group size 16,",
-     ["--codec", "int7-h32", "--group-size", "32"], "--codec int7-h32 takes --group-size 16"),
+    (["--codec", "int7-h32"], "codec int7-h32, group size 16,", None, None),
 ])
 def test_option_runs_and_its_conflict_is_a_usage_error(no_env_overrides, capsys, option, shown, conflict,
                                                        refusal):
@@ -173,8 +172,9 @@ def test_option_runs_and_its_conflict_is_a_usage_error(no_env_overrides, capsys,
     out = capsys.readouterr().out
     assert rc == 0, out
     assert shown in out
-    assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", *conflict]) == options.EXIT_USAGE
-    assert refusal in capsys.readouterr().err
+    if conflict:
+        assert all_reduce.main(["--engine", "cpu", "-b", "1K", "-e", "1K", *conflict]) == options.EXIT_USAGE
+        assert refusal in capsys.readouterr().err
 
 
 def test_cudagraph_needs_gpu(no_env_overrides, capsys):

@@ -78,7 +78,7 @@ def test_sizes_and_spans():
 
 
 def test_feedback_int8_states():
-    layout = Layout(3000, 2, 32)
+    layout = Layout(3000, 2)
     fb = Feedback("int8")
     st = fb.bind((3000, 2, 32, "float16"), layout, np.dtype(np.float16), np.zeros, "int4")
     assert st.inputs.dtype == np.uint8 and st.inputs.size == layout.padded // 512 * 528
@@ -101,7 +101,7 @@ def test_reference_kernel_stores_the_format():
 
     rng = np.random.default_rng(5)
     for cd in codec.CODECS:
-        L = Layout(2048, 1, codec.default_group(cd), codec=cd)
+        L = Layout(2048, 1, cd)
         own = rng.standard_normal(L.slice_elems).astype(F32)
         r32 = (rng.standard_normal(L.slice_elems) * 0.01).astype(F32)
         r8 = codec.encode_residuals(r32)

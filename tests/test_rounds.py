@@ -21,7 +21,7 @@ def _wire(values: np.ndarray, layout: Layout) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 def test_accumulate_adds_in_float32_and_rounds_once(dtype):
-    layout = Layout(1024, 1, 32)
+    layout = Layout(1024, 1)
     rng = np.random.default_rng(1)
     wire = _wire(rng.standard_normal(1024).astype(np.float32), layout)
     decoded = codec.decode(wire, layout.slice_elems, 32)
@@ -35,7 +35,7 @@ def test_accumulate_adds_in_float32_and_rounds_once(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 def test_accumulate_keeps_nan_bits_and_writes_nan_groups(dtype):
-    layout = Layout(1024, 1, 32)
+    layout = Layout(1024, 1)
     v = np.ones(1024, np.float32)
     v[40] = np.inf                                          # group 1 has a NaN scale on the wire
     wire = _wire(v, layout)
@@ -57,7 +57,7 @@ def test_accumulate_keeps_nan_bits_and_writes_nan_groups(dtype):
 def test_owner_base_feeds_back_the_rounding_of_the_accumulation(dtype):
     """With ``base`` (its slice of out), the owner's residual is measured against what
     dequantize(accumulate=True) really adds: base + decoded, rounded to the output dtype."""
-    layout = Layout(1024, 1, 32)
+    layout = Layout(1024, 1)
     rng = np.random.default_rng(3)
     incoming = _wire(rng.standard_normal(1024).astype(np.float32) * 1e-2, layout)
     base = (rng.standard_normal(1024) * 30).astype(dtype)

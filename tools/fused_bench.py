@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The fused kernels alone (no NCCL): time per all-reduce of the general two-shot kernel against
-the ``_whole`` one (slices whole and aligned, no bounds tests), and of the quantized one-shot
+the whole-slice one (slices whole and aligned, no bounds tests), and of the quantized one-shot
 (``q``, ``q_whole``) and the 16-bit one (``one_shot``), one row per size.
 
     python tools/launch.py -n 2 tools/fused_bench.py [--sizes 16M 64M 256M 1G] [--codec int4-h32]
@@ -13,10 +13,10 @@ the fused path's own (NVLink between them). On one GPU both ranks share it, whic
 work only under MPS (`tools/with_mps.sh`; without it the two processes' kernels take turns and
 each spins on the other's flags): a proxy for the kernels' cost that leaves NVLink out and
 makes the ranks share the SMs and the memory. It ranks variants differently depending on how
-they share (BENCHMARKS.md, eighth pass): use it to spot large effects, and confirm on two GPUs.
-``--grid`` sets the blocks per launch (default: `fused.BLOCKS_PER_SM` per SM, divided by the
-ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it); ``--tiles`` is
-``ECHONCCL_FUSED_TILES``. bf16 input, feedback on, G = the codec's default; medians over
+they share: use it to spot large effects, and confirm on two GPUs.
+``--grid`` sets the blocks per launch (default: `kernel_table.FUSED_BLOCKS_PER_SM` per SM, divided
+by the ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it);
+``--tiles`` sets `peer_memory.TILES`. bf16 input, feedback on; medians over
 ``--iters`` calls (`kernel_bench.time_us`), each kernel timed ``--reps`` times in alternation.
 """
 from __future__ import annotations
@@ -58,19 +58,18 @@ def main(argv=None) -> None:
     paths = fused.FusedPaths(comm, comm.allgather, rank, P, 30.0, lambda: False)
     paths.max_blocks = a.grid or paths.max_blocks // sharing   # every rank's grid resident at once
     bf16 = dtypes.numpy_dtype("bfloat16")
-    group = codec.default_group(a.codec)
+    group = codec.group_size(a.codec)
     times = {}
     for nbytes in map(parse_size, a.sizes):
         n = nbytes // 2
-        layout = Layout(n, P, group, codec=a.codec)
+        layout = Layout(n, P, a.codec)
         state = echonccl.Feedback(a.residual, rounding=a.rounding == "on").bind((n, P, group, "bfloat16"), layout, bf16,
                                                    lambda k, dt: cp.zeros(k, dtype=dt), a.codec)
         x = cp.random.default_rng(rank).standard_normal(n, dtype=cp.float32).astype(bf16)
         out = cp.empty_like(x)
         for _ in range(a.reps):
             for kernel in a.kernels:
-                fused.WHOLE = kernel.endswith("whole")
-                paths.clear_plans()
+                paths.whole = kernel.endswith("whole")
                 if kernel == "one_shot":
                     run, _ = paths.prepare_one_shot(x, out)
                 else:

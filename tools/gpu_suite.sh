@@ -3,7 +3,7 @@
 # soak, echonccl-perf in three regimes (eager and CUDA graph), the depth study on the GPU engine.
 #   bash tools/gpu_suite.sh OUTDIR [tests|kernels|soak|perf|accuracy|all]      (from any directory)
 # Needs cupy, mpi4py, NCCL and an MPI launcher already installed, nothing else: echonccl comes from
-# this checkout (PYTHONPATH). ECHONCCL_INSTALLED=1 runs against the installed (pip install .,
+# this checkout (PYTHONPATH). ECHONCCL_DEV_INSTALLED=1 runs against the installed (pip install .,
 # non-editable) copy instead, from outside the checkout, and stops if there is none.
 # PERF_ARGS overrides the perf sweep (e.g. add --rounds 2); REGIMES and SOCK_ARGS narrow it. Every multi-rank run goes through tools/launch.py, which sets
 # NCCL_NVLS_ENABLE=0 and forwards it and PYTHONPATH (Open MPI: -x); $MPIEXEC picks the launcher.
@@ -16,11 +16,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 PY=${PY:-python3}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-if [[ ${ECHONCCL_INSTALLED:-} == 1 ]]; then
+if [[ ${ECHONCCL_DEV_INSTALLED:-} == 1 ]]; then
   # from outside the checkout, so that its echonccl/ cannot shadow the installed one
   where=$(cd / && "$PY" -c 'import echonccl; print(echonccl.__file__)' 2>&1) \
-    || { echo "gpu_suite: ECHONCCL_INSTALLED=1 but $PY cannot import an installed echonccl (pip install .): ${where##*$'\n'}"; exit 2; }
-  case $where in "$root"/*) echo "gpu_suite: ECHONCCL_INSTALLED=1 but echonccl is this checkout's ($where)"; exit 2 ;; esac
+    || { echo "gpu_suite: ECHONCCL_DEV_INSTALLED=1 but $PY cannot import an installed echonccl (pip install .): ${where##*$'\n'}"; exit 2; }
+  case $where in "$root"/*) echo "gpu_suite: ECHONCCL_DEV_INSTALLED=1 but echonccl is this checkout's ($where)"; exit 2 ;; esac
   echo "gpu_suite: echonccl installed at $where"
 else
   # this checkout's echonccl, whether or not (or whatever) echonccl is installed
@@ -37,7 +37,7 @@ if [[ $what == tests || $what == all ]]; then
   nvidia-smi topo -m
   tests=(tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_nccl_binding.py tests/test_gpu_multirank.py
          tests/test_gpu_hardening.py tests/test_examples.py)
-  if [[ ${ECHONCCL_INSTALLED:-} == 1 ]]; then
+  if [[ ${ECHONCCL_DEV_INSTALLED:-} == 1 ]]; then
     # pytest from a scratch directory: only tools/ and tests/ of the checkout are on the path
     (cd "$out" && "$PY" -m pytest -q -ra -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
         "${tests[@]/#/$root/}") || status=1

@@ -3,17 +3,11 @@
 against the device-to-device copy bandwidth measured in the same run.
 
     python tools/kernel_bench.py [--elems 2**26] [--iters 20] [--codecs int4 int4-h32 int7-h32]
-                                 [--block 1024 --max-blocks 124]
+                                 [--max-blocks 124]
 
-Each kernel is timed for each codec (default: the rotated int4-h32 against int4; a codec that
-does not take ``--group`` runs at its own group size, int7-h32 at 16),
-so the rotation's cost shows as the ratio of their bandwidths. ``--block`` launches blocks of
-that many threads, one per SM (the kernels must be built for it: ``ECHONCCL_FATBIN`` from
-``nvcc -fatbin -DECHO_BLOCK=1024 -DECHO_RQ_MIN_BLOCKS=1 -DECHO_RQ_MIN_BLOCKS_H32_F32=1``
-``-DECHO_RQ_MIN_BLOCKS_I7=1 -DECHO_RQ_MIN_BLOCKS_B32=1``, the last two since int7-h32 and the
-block-a-thread owner);
-``--max-blocks`` caps every grid (``CudaKernels(max_blocks=)``): with 1024-thread blocks, the
-SMs the codec may use (BENCHMARKS.md, fifth pass).
+Each kernel is timed for each codec (default: the rotated int4-h32 against int4), so the
+rotation's cost shows as the ratio of their bandwidths. ``--max-blocks`` caps every grid
+(``CudaKernels(max_blocks=)``): the SMs the codec kernels may take beside NCCL's.
 """
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ import argparse
 import cupy as cp
 import numpy as np
 
-from echonccl import codec, dtypes, kernels_cuda
+from echonccl import codec, dtypes
 from echonccl.kernels_cuda import CudaKernels
 from echonccl.layout import Layout
 
@@ -47,19 +41,10 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e6  # TB/s
 
 
-def cases(elems: int, group: int, codec_name: str = "int4", block: int = 0,
-          max_blocks: int | None = None):
-    """The kernels as two_shot calls them: (name, bytes moved, launch function) for each.
-    ``block``: threads per block, one block per SM (sets `kernels_cuda.BLOCK` for this
-    process); ``max_blocks`` None: ``ECHONCCL_CODEC_MAX_BLOCKS``."""
-    one_per_sm = {}
-    if block:
-        kernels_cuda.BLOCK = block
-        one_per_sm = dict(blocks_per_sm=1, dq_blocks_per_sm=1)
-    k = CudaKernels(max_blocks=max_blocks, **one_per_sm)
-    if group not in codec.group_sizes(codec_name):
-        group = codec.default_group(codec_name)
-    L = Layout(elems, 1, group, codec=codec_name)
+def cases(elems: int, codec_name: str = "int4", max_blocks: int = 0):
+    """The kernels as two_shot calls them: (name, bytes moved, launch function) for each."""
+    k = CudaKernels(max_blocks=max_blocks)
+    L = Layout(elems, 1, codec_name)
     S, B = L.slice_elems, L.slice_bytes
     for dt in ("bfloat16", "float16", "float32"):
         ndt = dtypes.numpy_dtype(dt)
@@ -88,29 +73,24 @@ def cases(elems: int, group: int, codec_name: str = "int4", block: int = 0,
                lambda wires=wires, dst=dst: k.dequantize(L, wires, dst, terms=2))
 
 
-def bench(elems: int, iters: int, group: int, codec_name: str = "int4", block: int = 0,
-          max_blocks: int | None = None):
+def bench(elems: int, iters: int, codec_name: str = "int4", max_blocks: int = 0):
     """Rows (name, bytes moved, us) of `cases`, each timed by `time_us`."""
-    return [(name, moved, time_us(fn, iters))
-            for name, moved, fn in cases(elems, group, codec_name, block, max_blocks)]
+    return [(name, moved, time_us(fn, iters)) for name, moved, fn in cases(elems, codec_name, max_blocks)]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--elems", type=lambda s: int(eval(s, {})), default=2 ** 26)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--group", type=int, default=32, help="group size (a codec without it: its default)")
     p.add_argument("--codecs", nargs="+", default=["int4", "int4-h32"], choices=codec.CODECS)
-    p.add_argument("--block", type=int, default=0, help="threads per block, one block per SM (0: as shipped)")
-    p.add_argument("--max-blocks", type=int, default=None,
-                   help="cap on every grid (default: ECHONCCL_CODEC_MAX_BLOCKS, else none)")
+    p.add_argument("--max-blocks", type=int, default=0, help="cap on every grid (default 0: none)")
     a = p.parse_args()
     copy = copy_bandwidth(1 << 30, a.iters)
-    print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements, G={a.group}")
+    print(f"# device-to-device copy (1 GiB): {copy:.2f} TB/s (read + written); slice of {a.elems} elements")
     print("| kernel | MB moved | time (us) | TB/s | % of copy |")
     print("|---|---:|---:|---:|---:|")
     for name, moved, t in (r for c in a.codecs
-                           for r in bench(a.elems, a.iters, a.group, c, a.block, a.max_blocks)):
+                           for r in bench(a.elems, a.iters, c, a.max_blocks)):
         bw = moved / t / 1e6
         print(f"| {name} | {moved / 1e6:.1f} | {t:.1f} | {bw:.2f} | {100 * bw / copy:.0f}% |")
 

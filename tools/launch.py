@@ -9,7 +9,7 @@ runs ``MPIEXEC -n N PYTHON -m mpi4py ARGS...`` (an exception on one rank then ab
 instead of hanging the others) from the repository root, in `environment()`:
 
 * ``PYTHONPATH``: this checkout (so ``echonccl`` imports without being installed), then
-  ``tools/`` (`support`, this module), then the caller's. With ``ECHONCCL_INSTALLED=1`` the
+  ``tools/`` (`support`, this module), then the caller's. With ``ECHONCCL_DEV_INSTALLED=1`` the
   checkout is left out, so programs use the installed echonccl (``tools/`` stays);
 * ``NCCL_NVLS_ENABLE=0``: NVLink multicast stays off in everything we launch;
 * ``PYTHONUNBUFFERED=1``; Open MPI may run as root and oversubscribe (MPICH ignores those).
@@ -39,9 +39,21 @@ FIXED = {"NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1",
          "OMPI_MCA_rmaps_base_oversubscribe": "1", "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
 
+@functools.lru_cache(maxsize=None)
+def _settings():
+    """The checkout's `echonccl.settings`, loaded by path: the launcher imports no echonccl (it
+    must run where nothing is installed, and choose between the checkout and an installed copy)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_echonccl_settings", ROOT / "echonccl" / "settings.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def installed_mode() -> bool:
-    """``ECHONCCL_INSTALLED=1``: run against the installed echonccl, not this checkout's."""
-    return os.environ.get("ECHONCCL_INSTALLED", "") == "1"
+    """``ECHONCCL_DEV_INSTALLED=1``: run against the installed echonccl, not this checkout's."""
+    return bool(_settings().get("ECHONCCL_DEV_INSTALLED"))
 
 
 def python_path(base: str | None = None) -> str:

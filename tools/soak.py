@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     comm = echonccl.Communicator(world.Dup(), engine=args.engine, timeout=args.timeout,
                                  cache_bytes=args.cache_bytes)
     engine = comm.engine.name
-    G = codec.unit_size(comm.config.codec, comm.config.group_size)   # one NaN's reach, one scale's bound
+    G = codec.unit_size(comm.config.codec, comm.group_size)   # one NaN's reach, one scale's bound
     if engine == "gpu":
         import cupy
 

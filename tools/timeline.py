@@ -4,7 +4,7 @@ which stream, and how much of the time the codec kernels and NCCL's kernels over
     mpirun -np 2 python3 tools/timeline.py --count N [--algo two_shot_pipelined] [--calls 3]
 
 Needs cupti-python and the nvidia-cuda-cupti wheel (carried to the GPU machine as wheels and
-unzipped onto PYTHONPATH / LD_LIBRARY_PATH: tools/fused_device_run.sh's ``timeline`` step).
+unzipped onto PYTHONPATH / LD_LIBRARY_PATH).
 Every rank traces its own device; rank 0 prints its last call's kernels (start and duration in
 us from the call's first kernel, stream, name) and, for every call, the span, the busy time of
 NCCL's kernels and of the others, and the time both ran at once.

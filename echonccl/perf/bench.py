@@ -127,7 +127,7 @@ class Bench:
         """``label -> (relerr, maxerr, wrong)``, the worst over ``-c`` correctness runs. Each variant
         starts a fresh state (feedback) for these runs; run ``j`` reads ``bufs[j % len(bufs)]``."""
         calls = {v.label: v.start() for v in self.variants}
-        errors = {}
+        errors: dict = {}
         for j in range(self.opts.check):
             x = bufs[j % len(bufs)]
             ref = self.collective.reference(self.mpi, self.arrays.to_host(x))
@@ -238,7 +238,7 @@ def _run(collective: Collective, opts, mpi) -> int:
     from .. import Communicator
 
     _agree(mpi, _plot_problem(opts))
-    comm = Communicator(mpi, engine=opts.engine, group_size=opts.group_size, codec=opts.codec)
+    comm = Communicator(mpi, engine=opts.engine, codec=opts.codec)
     try:
         _agree(mpi, _engine_problem(opts, comm.engine))
         arrays = make_arrays(comm.engine)

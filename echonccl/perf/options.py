@@ -2,7 +2,7 @@
 
 * `build_parser` and `parse_options`: nccl-tests' flags (``-b -e -i -f -n
   -w -c -d -G -a -J``, same letters and long names) and echonccl's own
-  (``--algo --group-size --no-feedback --no-baseline --engine --csv --plot
+  (``--algo --no-feedback --no-baseline --engine --csv --plot
   --quiet``); argparse's messages print on rank 0 only;
 * sizes: `parse_size` (``64K``, ``1G``), `format_size`, the sweep
   (`size_sweep`, as nccl-tests' ``-b -e -i -f``) and `element_counts`;
@@ -16,7 +16,7 @@ import io
 import re
 
 from .. import dtypes
-from ..codec import CODECS, codec_groups, group_sizes
+from ..codec import CODECS
 from ..config import ALGORITHMS
 from .check import MAX_RELERR
 
@@ -72,7 +72,7 @@ def size_sweep(minbytes: int, maxbytes: int, stepfactor: float = 1.0, stepbytes:
 
 def element_counts(sizes, itemsize: int) -> list:
     """``(nbytes, count)`` per size: at least one element, whole elements, duplicates dropped."""
-    points = []
+    points: list[tuple[int, int]] = []
     for size in sizes:
         count = max(1, size // itemsize)
         if not points or points[-1][1] != count:
@@ -147,8 +147,6 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--residual", choices=("float32", "input", "int8"), default="input",
                    help="feedback residual format (default input: the data's dtype, echonccl's default; "
                    "float32; int8: 8-bit blocks)")
-    e.add_argument("--group-size", type=int, choices=sorted({g for _, g in codec_groups()}), default=None,
-                   help="elements per scale (default: the codec's)")
     e.add_argument("--codec", choices=CODECS, default=None,
                    help="wire codec (default: the communicator's, int4-h32 unless ECHONCCL_CODEC says)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
@@ -193,8 +191,6 @@ def parse_options(argv, prog: str, collective: str, rank: int) -> argparse.Names
     opts.algorithms = algorithms(opts.algo)
     if opts.rounds > 1 and opts.no_feedback:
         raise UsageError(f"--rounds {opts.rounds} sends the feedback residuals: drop --no-feedback")
-    if opts.codec and opts.group_size and opts.group_size not in group_sizes(opts.codec):
-        raise UsageError(f"--codec {opts.codec} takes --group-size {'/'.join(map(str, group_sizes(opts.codec)))}")
     return opts
 
 

@@ -64,7 +64,7 @@ def run_info(opts, collective: Collective, mpi, comm, arrays) -> dict:
         "nranks": mpi.Get_size(), "engine": engine.name, "engine_description": engine.describe(),
         "baseline": getattr(engine, "baseline_name", "baseline"), "baseline_version": baseline_version(engine),
         "baseline_run": not opts.no_baseline, "mpi_version": mpi_library_version(),
-        "cuda": arrays.cuda_version(), "dtype": opts.datatype, "group_size": comm.config.group_size,
+        "cuda": arrays.cuda_version(), "dtype": opts.datatype, "group_size": comm.group_size,
         "codec": comm.config.codec,
         "feedback": not opts.no_feedback, "residual": opts.residual, "rounds": opts.rounds,
         "algorithms": list(opts.algorithms),

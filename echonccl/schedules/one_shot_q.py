@@ -28,4 +28,6 @@ def one_shot_q(k, t, layout, x, out, state, ws, accumulate: bool = False) -> Non
     k.dequantize(layout, ws.gather, out, accumulate, terms=P)
 
 
-one_shot_q.gather_slices = lambda nranks: nranks * nranks   # ws.gather: P contributions of P slices
+def gather_slices(nranks: int) -> int:
+    """The slots of ``ws.gather`` `one_shot_q` uses: P contributions of P slices."""
+    return nranks * nranks

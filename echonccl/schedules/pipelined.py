@@ -13,22 +13,22 @@ once per chunk: the GPU engine replays the whole schedule as one CUDA graph.
 """
 from __future__ import annotations
 
-import os
-
+from .. import settings
 from ..codec import SLICE_QUANTUM, residual_span
 from ..layout import Layout
 from .two_shot import _contribute, _owner_ref, two_shot
 
 MAX_CHUNKS = 8
-MIN_CHUNK_ELEMS = int(os.environ.get("ECHONCCL_PIPELINE_MIN_CHUNK", 1 << 20))
 
 
 def chunk_count(slice_elems: int) -> int:
     """The number of chunks K: a power of two up to `MAX_CHUNKS` that divides the slice into
-    chunks of a whole number of `SLICE_QUANTUM`s, each at least `MIN_CHUNK_ELEMS` long."""
+    chunks of a whole number of `SLICE_QUANTUM`s, each at least ``ECHONCCL_DEV_PIPELINE_MIN_CHUNK``
+    (2^20) elements long."""
+    min_chunk = settings.get("ECHONCCL_DEV_PIPELINE_MIN_CHUNK")
     k = 1
     while (2 * k <= MAX_CHUNKS and slice_elems % (2 * k * SLICE_QUANTUM) == 0
-           and slice_elems // (2 * k) >= MIN_CHUNK_ELEMS):
+           and slice_elems // (2 * k) >= min_chunk):
         k *= 2
     return k
 
@@ -47,7 +47,7 @@ def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False
         return two_shot(k, t, layout, x, out, state, ws, accumulate)
     r, P = t.rank, t.size
     C = layout.slice_elems // K
-    V = Layout(layout.count, P * K, layout.group, quantum=C, codec=layout.codec)
+    V = Layout(layout.count, P * K, layout.codec, quantum=C)
     Bc = V.slice_bytes
 
     def chunk(buf, j, n):          # chunk j's n slots of buf

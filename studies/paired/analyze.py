@@ -1,4 +1,4 @@
-"""Tables (ACCURACY.md, "Residual format") from the per-sequence .npz files of persq.py and the
+"""Tables (ACCURACY.md, "Residual formats") from the per-sequence .npz files of persq.py and the
 depth JSONs, read from studies/results/ (where the commands in ACCURACY.md write them).
 
     .venv/bin/python studies/paired/analyze.py
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 R = Path(__file__).resolve().parent.parent / "results"
-ROWS = (("1 round", "echonccl two_shot G=32"), ("flush", "echonccl two_shot G=32 + flush"))
+ROWS = (("1 round", "echonccl two_shot int4-h32"), ("flush", "echonccl two_shot int4-h32 + flush"))
 
 
 def load(tag):
@@ -92,7 +92,7 @@ def main():
             out.append(f"| {label} | {what} | {len(dn)} | {pct(np.exp(dn.mean()) - 1)} +- {100 * 1.96 * se(dn):.2f} | "
                        f"{100 * dg.mean():+.2f} +- {100 * 1.96 * se(dg):.2f} pt |")
     out.append("")
-    out.append("Depth study (bf16 terms, G = 32, L = 128): two_shot relative stream error")
+    out.append("Depth study (bf16 terms, int4-h32, L = 128): two_shot relative stream error")
     out.append("")
     out.append("| P | seed | residuals | err(1) | err(128) | err(128)/err(1) |")
     out.append("|---|---|---|---|---|---|")
@@ -102,7 +102,7 @@ def main():
                 p = R / f"depth_p{P}_{rd}{seed}.json"
                 if not p.exists():
                     continue
-                e = json.load(open(p))["errors"]["two_shot G=32"]
+                e = json.load(open(p))["errors"]["two_shot int4-h32"]
                 out.append(f"| {P} | {seed[2:] or 0} | {rd} | {e[0]:.3e} | {e[-1]:.3e} | {e[-1] / e[0]:.3f} |")
     print("\n".join(out))
 

@@ -22,7 +22,7 @@ def check_identical_and_bounded():
     """Both schedules, every dtype, odd sizes, in and out of place: identical on all ranks and
     within the documented per-element bound of the exact fp64 sum."""
     comm = echonccl.Communicator(engine=ENGINE)
-    G = comm.config.group_size
+    G = comm.group_size
     for algo in ALGOS:
         for dt in ("float32", "float16", "bfloat16"):
             for n in (1, 7, 513, 5000, 100_003):
@@ -163,7 +163,7 @@ def check_special_values():
     """NaN/Inf reach their group's (int7-h32: block's) output as non-finite on every rank; other groups stay finite;
     the feedback state stays finite; huge and tiny values survive."""
     comm = echonccl.Communicator(engine=ENGINE)
-    G = codec.unit_size(comm.config.codec, comm.config.group_size)   # one NaN's reach: group or block
+    G = codec.unit_size(comm.config.codec, comm.group_size)   # one NaN's reach: group or block
     for algo in ALGOS:
         for dt in ("float32", "bfloat16", "float16"):
             fb = comm.new_feedback()
@@ -310,7 +310,7 @@ def check_torch_interop():
 
 def check_pipelined_matches_two_shot():
     """two_shot_pipelined gives two_shot's bits: outputs and residuals over calls with feedback,
-    every dtype, in and out of place (run with a small ECHONCCL_PIPELINE_MIN_CHUNK so K > 1)."""
+    every dtype, in and out of place (run with a small ECHONCCL_DEV_PIPELINE_MIN_CHUNK so K > 1)."""
     from echonccl.schedules.pipelined import chunk_count
 
     comm = echonccl.Communicator(engine=ENGINE)
@@ -318,7 +318,7 @@ def check_pipelined_matches_two_shot():
     for dt in ("float32", "bfloat16", "float16"):
         for n in (4096 * P, 8192 * P - 3, 65536 * P + 1000, 3000):
             fa, fb = comm.new_feedback(), comm.new_feedback()
-            chunked += chunk_count(echonccl.Layout(n, P, comm.config.group_size).slice_elems) > 1
+            chunked += chunk_count(echonccl.Layout(n, P).slice_elems) > 1
             for t in range(3):
                 x = rank_data(n, dt, seed=20 + t)
                 ya = to_host(comm.all_reduce(to_engine(x), feedback=fa, algorithm="two_shot"))
@@ -403,19 +403,17 @@ def check_fused_reference():
     def zeros(n, dt):
         return cupy.zeros(n, dtype=dt)
 
-    # every codec at its default group; int4-h32 at G = 128 too, whose bfloat16-scale slices of
-    # an odd number of 512-element quanta are only 8-byte aligned in the wire buffers
-    runs = [(c, None, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
+    # every codec
+    runs = [(c, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
              (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12)) for c in CODECS]
-    runs.append(("int4-h32", 128, ("bfloat16",), ("input",), (1500 * P + 7, 3 << 15)))
-    for codec_name, group, dts, rdts, sizes in runs:
-        ref = echonccl.Communicator(engine="cpu", codec=codec_name, group_size=group)
+    for codec_name, dts, rdts, sizes in runs:
+        ref = echonccl.Communicator(engine="cpu", codec=codec_name)
         for dt in dts:
             for rdt in rdts:
                 variants = (("two_shot", True), ("two_shot", False), ("one_shot_q", True))
                 for n, (algo, rounding) in ((n, v) for n in sizes for v in variants):
                     run = getattr(paths, algo)
-                    L = Layout(n, P, ref.config.group_size, codec=codec_name)
+                    L = Layout(n, P, codec_name)
                     fc, fg = ref.new_feedback(rdt, rounding=rounding), echonccl.Feedback(rdt, rounding=rounding)
                     state = fg.bind((n, P, L.group, dt), L, dtypes.numpy_dtype(dt), zeros, codec_name)
                     for t in range(4):
@@ -471,7 +469,7 @@ def check_fused_skew():
     paths.max_blocks = 1 if RANK == P - 1 else max(1, paths.max_blocks // sharing - 1)
     ref = echonccl.Communicator(engine="cpu")
     n = 3 << 19                                   # 3 MiB of bfloat16: the tiled one-shot
-    L = Layout(n, P, ref.config.group_size, codec=ref.config.codec)
+    L = Layout(n, P, ref.config.codec)
     order = ("one_shot", "one_shot", "one_shot", "two_shot", "one_shot_q", "one_shot_q", "two_shot", "one_shot",
              "one_shot_q", "one_shot")
     xs = [rank_data(n, "bfloat16", seed=40 + i) for i in range(len(order))]

@@ -38,7 +38,7 @@ import signal
 import sys
 import time
 
-for _var in ("ECHONCCL_ENGINE", "ECHONCCL_ALGO", "ECHONCCL_GROUP_SIZE", "ECHONCCL_CROSSOVER_BYTES"):
+for _var in ("ECHONCCL_ENGINE", "ECHONCCL_ALGO", "ECHONCCL_CODEC", "ECHONCCL_CROSSOVER_BYTES"):
     os.environ.pop(_var, None)      # these checks choose their options themselves
 
 import ml_dtypes  # noqa: E402
@@ -265,7 +265,7 @@ def check_empty():
     comm.synchronize()
     x = rank_data(1000, "float32", 5)
     y = to_host(comm.all_reduce(to_engine(x), feedback=False))
-    check_within_bound(y, x, "two_shot", comm.config.group_size, "float32", "after empty calls")
+    check_within_bound(y, x, "two_shot", comm.group_size, "float32", "after empty calls")
     comm.close()
 
 
@@ -288,7 +288,7 @@ def check_mismatch():
     """Sizes, shapes, dtypes, options that differ between ranks on a signature's first call:
     the same MismatchError on every rank, at once; the communicator stays usable."""
     comm = new_comm(timeout=30)
-    G = comm.config.group_size
+    G = comm.group_size
     n = 1000
     last = P - 1
     f32 = lambda m, s=0: to_engine(rank_data(m, "float32", s))      # noqa: E731
@@ -305,8 +305,8 @@ def check_mismatch():
     _mismatch(comm, "algorithm", f32(n, 5), algorithm="ring" if RANK == 0 else "two_shot")
     _mismatch(comm, "feedback off on one rank", f32(n, 6), feedback=False if RANK == last else None)
     _mismatch(comm, "baseline on one rank", f32(n, 7), algorithm="nccl" if RANK == 0 else "two_shot")
-    with new_comm(group_size=64 if RANK == last else G) as other:
-        _mismatch(other, "group size", f32(n, 8))
+    with new_comm(codec="int4-h32" if RANK == last else "int4") as other:
+        _mismatch(other, "codec", f32(n, 8))
     # the same signatures now agree: every call works and is right
     for algo in ALGOS:
         x = rank_data(n, "float32", 9)
@@ -361,7 +361,7 @@ def check_after_failure():
     timeout = 2.0
     lines = []
     comm = new_comm(WORLD.Dup(), timeout=timeout)
-    G = comm.config.group_size
+    G = comm.group_size
     a, b = rank_data(256, "float32", 51), rank_data(512, "float32", 52)
     empty = np.zeros(0, np.float32)
     if ENGINE == "cpu":           # the GPU engine checks a signature's first call only (README)
@@ -414,7 +414,7 @@ def check_nonfinite():
     Values at the dtype's maximum: kept on one rank; a sum that overflows gives +Inf in the
     overflowing elements (float16) or a NaN group (float32, bfloat16: the float32 sum overflows)."""
     comm = new_comm()
-    G = comm.config.group_size
+    G = comm.group_size
     n = 8 * G * P
     for algo in ALGOS:
         for dt in DTYPES:
@@ -475,7 +475,7 @@ def check_subnormal():
     """Subnormal inputs survive: float32 2**-149 (1e-45) sums exactly, 1e-40 and mixed groups
     stay within the bound and non-zero; bfloat16 and float16 subnormals likewise."""
     comm = new_comm()
-    G = comm.config.group_size
+    G = comm.group_size
     n = 8 * G
     assert P <= 7, "exactness of 2**-149 sums needs at most 7 ranks"
     for algo in ALGOS:
@@ -687,7 +687,7 @@ def check_cache():
         small, big = new_comm(cache_bytes=cap), new_comm(WORLD.Dup(), cache_bytes=1 << 40)
     finally:
         del os.environ["ECHONCCL_FUSED"]
-    G = small.config.group_size
+    G = small.group_size
     rng = np.random.default_rng(7)             # the same sizes on every rank
     counts = rng.choice(np.arange(1, 60_000), size=1000, replace=False)
     most = 0
@@ -969,20 +969,19 @@ def check_resume():
 # -- properties (hypothesis, every rank drawing the same examples) ---------------------------
 def check_properties():
     """Hypothesis-driven (derandomized: every rank draws the same examples, verified each
-    time): sizes, group sizes, dtypes, schedules, scales, NaN/Inf/max/subnormal injections,
+    time): sizes, dtypes, schedules, scales, NaN/Inf/max/subnormal injections,
     feedback on or off. Invariants: identical outputs on every rank; NaN exactly in the groups
     with a non-finite input; without feedback, the bound against the exact sum; with feedback,
     telescoping (sum of outputs - sum of exact sums == -residuals) and finite residuals."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
-    comms = {G: new_comm(group_size=G, timeout=60) for G in echonccl.GROUP_SIZES}
+    comm = new_comm(timeout=60)
     special = st.tuples(st.integers(0, P - 1), st.floats(0, 1, exclude_max=True),
                         st.sampled_from(["nan", "inf", "-inf", "max", "-max", "subnormal", "zero-group"]))
     case = st.fixed_dictionaries({
         "n": st.one_of(st.integers(1, 4000), st.sampled_from([1, 2, 31, 32, 33, 511, 512, 513, 1024 * P + 1,
                                                                  512 * P, 512 * P - 1])),
-        "group": st.sampled_from(echonccl.GROUP_SIZES),
         "dtype": st.sampled_from(DTYPES),
         "algo": st.sampled_from(ALGOS),
         "feedback": st.sampled_from(["off", "float32", "input"]),
@@ -1005,21 +1004,20 @@ def check_properties():
             raise RuntimeError("ranks drew different hypothesis examples: the program is not SPMD")
         failure = None
         try:
-            _property_case(comms[c["group"]], c)
+            _property_case(comm, c)
         except AssertionError as e:
             failure = f"rank {RANK}: {e}"
         failures = [f for f in WORLD.allgather(failure) if f]
         assert not failures, "; ".join(failures)      # the same verdict on every rank
 
     prop()
-    for c in comms.values():
-        c.close()
+    comm.close()
     if RANK == 0:
         print(f"properties: {counter['n']} examples")
 
 
 def _property_case(comm, c) -> None:
-    n, G, dt, algo, T = c["n"], c["group"], c["dtype"], c["algo"], c["calls"]
+    n, G, dt, algo, T = c["n"], comm.group_size, c["dtype"], c["algo"], c["calls"]
     npdt = dtypes.numpy_dtype(dt)
     exp = max(min(c["exp"], 10), -12) if dt == "float16" else c["exp"]
     scale = 2.0 ** exp

@@ -1,0 +1,197 @@
+"""The one table of the GPU engine's CUDA kernels: which exist, their names, the launch constants,
+and the CUDA source that defines them.
+
+The templates live in ``cuda_src/`` (``kernels.cuh``: the NCCL path's codec kernels;
+``fused.cuh``: the peer-memory kernels; both over ``codec.cuh`` and its parts). Each header ends
+with one ``ECHO_*_KERNEL`` macro per family; `source` writes the launch constants and one macro
+line per kernel of this table, so the CUDA entry points and the names the launch side uses
+(`Kernel.name`) come from here alone. Nothing else instantiates a kernel.
+
+* `ALL`: every kernel a documented option can run: for each codec, reduce_quantize for each
+  (input, residual, reference) type the schedules use, dequantize and its sum of parts for each
+  output type, the fused two-shot (and its float32-reference owner for 16-bit data, for
+  ``Feedback(rounding=False)``) and quantized one-shot for each (input, residual), each for any
+  slices and for slices that lie whole in aligned buffers; the 16-bit one-shots. Whether a
+  decode adds into its output is a run-time argument.
+* `PREBUILT`: the default codec's kernels and the one-shots: what ``python -m echonccl.build`` and
+  the wheel compile ahead of time (`echonccl.build`). The other codecs' kernels are compiled on
+  demand, one at a time, the first time a call needs them (`echonccl.kernel_loader`).
+
+This module imports nothing outside the standard library (the wheel build runs it).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# ------------------------------------------------------------------ launch constants
+BLOCK = 256                 # threads per block of every kernel (ECHO_BLOCK)
+ELEMS_PER_THREAD = 8        # elements per thread: one 32-bit word of codes
+FUSED_BLOCKS_PER_SM = 3     # resident blocks per SM of the fused kernels (their launch bounds, 80 registers)
+DQ_UNROLL = {"f16": 2, "bf16": 2, "f32": 1}   # dequantize: 8-element chunks per thread and grid step
+RQ_BLOCKS_PER_SM = 8        # grid of the standalone reduce_quantize (blocks per SM, at most)
+DQ_BLOCKS_PER_SM = 16       # grid of the standalone dequantize (blocks per SM, at most)
+
+# ------------------------------------------------------------------------ the table
+DTYPES = ("f16", "bf16", "f32")
+DEFAULT_CODEC = "int4-h32"
+# codec -> (echo::kInt4 / kInt4H32 / kInt7H32, group size); codec.py is the format's definition
+# (tests/test_kernel_table.py checks the two agree)
+CODECS = {"int4": (0, 32), "int4-h32": (1, 32), "int7-h32": (2, 16)}
+FAMILIES = ("reduce_quantize", "dequantize", "dequantize_sum", "two_shot", "one_shot_q", "one_shot", "one_shot_ll")
+FUSED_FAMILIES = ("two_shot", "one_shot_q", "one_shot", "one_shot_ll")
+
+
+def residuals(dtype: str) -> tuple[str, ...]:
+    """The residual types of ``dtype``'s kernels: float32, the input's own, the int8 block format."""
+    return ("f32", "i8") if dtype == "f32" else ("f32", dtype, "i8")
+
+
+def refs(dtype: str) -> tuple[str, ...]:
+    """reduce_quantize's reference types: float32 (contributions, ring hops) or the output's."""
+    return ("f32",) if dtype == "f32" else ("f32", dtype)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: ``family`` (`FAMILIES`), ``dtype`` (input/output type), ``codec`` (none for the
+    16-bit one-shots), ``res`` (residual type), ``ref`` (reduce_quantize: its reference type;
+    two_shot: ``"f32"`` for the owner whose residual leaves out its output's rounding), ``whole``
+    (two_shot, one_shot_q: the kernel for slices that lie whole in 16-byte aligned buffers)."""
+
+    family: str
+    dtype: str
+    codec: str = ""
+    res: str = ""
+    ref: str = ""
+    whole: bool = False
+
+    @property
+    def name(self) -> str:
+        cid = "_" + self.codec.replace("-", "_") if self.codec else ""
+        if self.family == "reduce_quantize":
+            return f"echo_reduce_quantize_{self.dtype}_res{self.res}_ref{self.ref}{cid}"
+        if self.family in ("dequantize", "dequantize_sum", "one_shot", "one_shot_ll"):
+            return f"echo_{self.family}_{self.dtype}{cid}"
+        suffix = ("_ref32" if self.family == "two_shot" and self.ref == "f32" else "") + ("_whole" if self.whole else "")
+        return f"echo_{self.family}_{self.dtype}_res{self.res}{cid}{suffix}"
+
+    @property
+    def fused(self) -> bool:
+        return self.family in FUSED_FAMILIES
+
+    def line(self) -> str:
+        """The macro line that defines this kernel (cuda_src/kernels.cuh, fused.cuh)."""
+        f, t = self.family, self.dtype
+        if f in ("one_shot", "one_shot_ll"):
+            return f"ECHO_{f.upper()}_KERNEL({self.name}, {t})"
+        codec_id, group = CODECS[self.codec]
+        if f == "reduce_quantize":
+            return f"ECHO_RQ_KERNEL({self.name}, {t}, {self.res}, {self.ref}, {group}, {codec_id})"
+        if f == "dequantize":
+            return f"ECHO_DQ_KERNEL({self.name}, {t}, {group}, {codec_id})"
+        if f == "dequantize_sum":
+            return f"ECHO_DQS_KERNEL({self.name}, {t}, {group}, {codec_id})"
+        whole = "true" if self.whole else "false"
+        if f == "two_shot":
+            return (f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole}, "
+                    f"{'true' if self.ref == 'f32' else 'false'})")
+        return f"ECHO_ONE_SHOT_Q_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole})"
+
+
+def _codec_kernels(codec: str) -> list[Kernel]:
+    out = []
+    for t in DTYPES:
+        out += [Kernel("reduce_quantize", t, codec, r, f) for r in residuals(t) for f in refs(t)]
+        out += [Kernel("dequantize", t, codec), Kernel("dequantize_sum", t, codec)]
+        for w in (False, True):
+            out += [Kernel("two_shot", t, codec, r, whole=w) for r in residuals(t)]
+            if t != "f32":    # float32 data: the owner's reference is float32 anyway
+                out += [Kernel("two_shot", t, codec, r, "f32", w) for r in residuals(t)]
+            out += [Kernel("one_shot_q", t, codec, r, whole=w) for r in residuals(t)]
+    return out
+
+
+ALL: tuple[Kernel, ...] = tuple(k for c in CODECS for k in _codec_kernels(c)) + tuple(
+    Kernel(f, t) for f in ("one_shot", "one_shot_ll") for t in DTYPES)
+BY_NAME: dict[str, Kernel] = {k.name: k for k in ALL}
+PREBUILT: tuple[Kernel, ...] = tuple(k for k in ALL if k.codec in ("", DEFAULT_CODEC))
+
+
+def lookup(name: str) -> Kernel:
+    """The kernel called ``name``; `KeyError` names what is missing."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no kernel {name!r} in echonccl's kernel table") from None
+
+
+# ------------------------------------------------------------------------- sources
+SOURCE_NAMES = ("codec.cuh", "codec_base.cuh", "codec_wire.cuh", "rotation.cuh", "reduce_quantize.cuh",
+                "dequantize.cuh", "kernels.cuh", "fused.cuh")
+# The compile flags, one definition: exact IEEE arithmetic (no fmad contraction, no flush to
+# zero, correctly rounded division and square root), C++17. NVRTC spells -std with two dashes.
+_FLAGS = ("--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+NVRTC_OPTIONS = ("--std=c++17", *_FLAGS)
+NVCC_FLAGS = ("-std=c++17", *_FLAGS)
+
+_PKG_DIR = Path(__file__).resolve().parent
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
+
+
+def source_dirs() -> list[Path]:
+    """Where ``cuda_src`` may be: the repository checkout, then the installed package data."""
+    return [_PKG_DIR.parent / "cuda_src", _PKG_DIR / "cuda_src"]
+
+
+def source_dir() -> Path:
+    for d in source_dirs():
+        if all((d / n).is_file() for n in SOURCE_NAMES):
+            return d
+    raise FileNotFoundError(f"echonccl's CUDA sources {SOURCE_NAMES} not found in {[str(d) for d in source_dirs()]}")
+
+
+def prelude() -> str:
+    """The launch constants, as the headers read them."""
+    return (f"#define ECHO_BLOCK {BLOCK}\n#define ECHO_FUSED_MIN_BLOCKS {FUSED_BLOCKS_PER_SM}\n"
+            f"#define ECHO_DQ_UNROLL16 {DQ_UNROLL['bf16']}\n#define ECHO_DQ_UNROLL32 {DQ_UNROLL['f32']}\n")
+
+
+def source(kernels, inline: bool = True, directory: Path | None = None) -> str:
+    """The CUDA source defining ``kernels`` (`Kernel` objects): the launch constants, the headers
+    their families need and one macro line each. ``inline``: each header of ``directory`` (default
+    `source_dir`) pasted in once, in place, so the text compiles with no include path and its hash
+    covers every line compiled (the on-demand cache's key); else ``#include`` lines, for nvcc with
+    ``-I``."""
+    kernels = list(kernels)
+    headers = (["kernels.cuh"] if any(not k.fused for k in kernels) else []) + (
+        ["fused.cuh"] if any(k.fused for k in kernels) else [])
+    body = (prelude() + "".join(f'#include "{h}"\n' for h in headers) + "\n"
+            + "".join(k.line() + "\n" for k in kernels))
+    return _inline(body, directory or source_dir()) if inline else body
+
+
+def _inline(text: str, d: Path) -> str:
+    seen: set = set()
+
+    def paste(m):
+        header = m.group(1)
+        if not (d / header).is_file():
+            raise FileNotFoundError(f'#include "{header}" is not in {d}')
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _INCLUDE_RE.sub(paste, (d / header).read_text())
+
+    return _INCLUDE_RE.sub(paste, text)
+
+
+def fingerprint(kernels, options=NVCC_FLAGS, directory: Path | None = None) -> str:
+    """sha256 of what compiling ``kernels`` with ``options`` reads: the inlined source and the
+    flags (the prebuilt kernels' manifest records it; a changed header or table is a new one)."""
+    h = hashlib.sha256()
+    for part in (*options, source(kernels, True, directory)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()

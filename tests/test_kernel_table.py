@@ -1,0 +1,137 @@
+"""The kernel table, the sources it generates, and how the loader picks prebuilt kernels, without
+a GPU or nvcc (the compiles: test_cuda_compile.py; loading and running: the GPU tests)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+
+import pytest
+
+from echonccl import codec, kernel_loader
+from echonccl import kernel_table as kt
+
+
+def test_table_counts_and_names():
+    fam = Counter(k.family for k in kt.ALL)
+    # per codec: reduce_quantize for (input, residual, reference) = 2 x 3 x 2 + 2; dequantize and its
+    # sum of parts per output type; the fused two-shot per (input, residual) and for 16-bit data with
+    # the float32 owner reference, the quantized one-shot per (input, residual), each for any and for
+    # whole slices; the one-shots per type
+    assert fam == {"reduce_quantize": 3 * 14, "dequantize": 3 * 3, "dequantize_sum": 3 * 3,
+                   "two_shot": 3 * (8 + 6) * 2, "one_shot_q": 3 * 8 * 2, "one_shot": 3, "one_shot_ll": 3}
+    assert len(kt.ALL) == len(kt.BY_NAME) == 198
+    assert len(kt.PREBUILT) == 70 and {k.codec for k in kt.PREBUILT} == {"", "int4-h32"}
+    assert kt.lookup("echo_two_shot_bf16_resbf16_int4_h32_whole") == kt.Kernel("two_shot", "bf16", "int4-h32",
+                                                                              "bf16", whole=True)
+    assert kt.Kernel("two_shot", "f16", "int7-h32", "i8", "f32").name == "echo_two_shot_f16_resi8_int7_h32_ref32"
+    assert kt.Kernel("reduce_quantize", "f32", "int4", "i8", "f32").name == "echo_reduce_quantize_f32_resi8_reff32_int4"
+    assert "echo_two_shot_f32_resf32_int4_h32_ref32" not in kt.BY_NAME     # float32 data: the ref is float32
+    assert kt.Kernel("dequantize_sum", "bf16", "int4").name == "echo_dequantize_sum_bf16_int4"
+    assert "echo_one_shot_ll_f32" in kt.BY_NAME
+    with pytest.raises(KeyError, match="no kernel 'echo_nothing'"):
+        kt.lookup("echo_nothing")
+
+
+def test_table_agrees_with_the_codec():
+    assert set(kt.CODECS) == set(codec.CODECS) and kt.DEFAULT_CODEC == codec.DEFAULT_CODEC
+    assert all(kt.CODECS[c][1] == codec.group_size(c) for c in codec.CODECS)
+    wire = (kt.source_dir() / "codec_wire.cuh").read_text()
+    ids = dict(re.findall(r"(kInt\w+) = (\d)", wire))
+    assert ids == {"kInt4": "0", "kInt4H32": "1", "kInt7H32": "2"}
+    assert [kt.CODECS[c][0] for c in ("int4", "int4-h32", "int7-h32")] == [0, 1, 2]
+
+
+def test_source_has_one_line_per_kernel_and_the_launch_constants():
+    ks = [kt.lookup("echo_dequantize_f16_int4"), kt.lookup("echo_one_shot_q_bf16_resi8_int7_h32_whole")]
+    text = kt.source(ks, inline=False)
+    assert text.startswith(kt.prelude()) and "#define ECHO_BLOCK 256\n" in text
+    assert '#include "kernels.cuh"' in text and '#include "fused.cuh"' in text
+    assert "ECHO_DQ_KERNEL(echo_dequantize_f16_int4, f16, 32, 0)" in text
+    assert "ECHO_ONE_SHOT_Q_KERNEL(echo_one_shot_q_bf16_resi8_int7_h32_whole, bf16, i8, 16, 2, true)" in text
+    assert '#include "fused.cuh"' not in kt.source(ks[:1], inline=False)   # only what the kernels need
+    inlined = kt.source(ks)
+    assert "#include \"" not in inlined and inlined.count("#define ECHO_CODEC_CUH") == 1
+    assert "struct PeerTable" in inlined
+
+
+def test_headers_take_the_launch_constants_from_the_table():
+    """No header sets a launch constant or a build switch of its own: `kt.prelude` is the one place."""
+    d = kt.source_dir()
+    for name in kt.SOURCE_NAMES:
+        text = (d / name).read_text()
+        defined = set(re.findall(r"#\s*define\s+(ECHO_\w+)", text))
+        overridable = set(re.findall(r"#\s*ifndef\s+(ECHO_\w+)", text)) - {n for n in defined if n.endswith("_CUH")}
+        assert not overridable - {"ECHO_BLOCK", "ECHO_FUSED_MIN_BLOCKS"}, (name, overridable)
+        assert not {"ECHO_BLOCK", "ECHO_FUSED_MIN_BLOCKS", "ECHO_DQ_UNROLL16", "ECHO_DQ_UNROLL32"} & defined, name
+    assert not list(d.glob("*.cu"))           # every entry point comes from the table
+
+
+def test_fingerprint_covers_headers_table_and_flags(tmp_path, monkeypatch):
+    ks = kt.PREBUILT[:3]
+    base = kt.fingerprint(ks)
+    assert base == kt.fingerprint(ks) and base != kt.fingerprint(kt.PREBUILT[:2])
+    assert base != kt.fingerprint(ks, kt.NVRTC_OPTIONS)
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(kt.source_dir(), copy)
+    assert kt.fingerprint(ks, directory=copy) == base
+    (copy / "rotation.cuh").write_text((copy / "rotation.cuh").read_text() + "\n// edited\n")
+    assert kt.fingerprint(ks, directory=copy) != base
+
+
+# ------------------------------------------------------------------ the loader's prebuilt manifest
+def _prebuilt(tmp_path, kernels, fingerprint=None):
+    d = tmp_path / "prebuilt"
+    d.mkdir()
+    (d / kernel_loader.FATBIN).write_bytes(b"not loaded in these tests")
+    (d / kernel_loader.MANIFEST).write_text(json.dumps({
+        "kernels": [k.name for k in kernels], "archs": ["sm_90"], "ptx": "compute_90", "nvcc": "13.0",
+        "fingerprint": fingerprint or kt.fingerprint(kernels)}))
+    return d
+
+
+def test_a_fresh_manifest_is_taken(tmp_path, capsys):
+    d = _prebuilt(tmp_path, kt.PREBUILT[:4])
+    assert kernel_loader.KernelLoader(d).prebuilt_names() == [k.name for k in kt.PREBUILT[:4]]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stale_or_broken_manifest_is_set_aside_with_one_line(tmp_path, capsys):
+    d = _prebuilt(tmp_path, kt.PREBUILT[:4], fingerprint="0" * 64)
+    loader = kernel_loader.KernelLoader(d)
+    assert loader.prebuilt_names() == [] and loader.prebuilt_names() == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "built from other sources" in err and "python -m echonccl.build" in err
+    (d / kernel_loader.MANIFEST).write_text(json.dumps({"kernels": ["echo_gone"], "fingerprint": "x"}))
+    assert kernel_loader.KernelLoader(d).prebuilt_names() == []
+    assert "unreadable" in capsys.readouterr().err
+    assert kernel_loader.KernelLoader(tmp_path / "missing").prebuilt_names() == []
+    assert kernel_loader.KernelLoader(None).prebuilt_names() == []
+
+
+def test_cache_dir_follows_the_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("ECHONCCL_KERNEL_CACHE", str(tmp_path / "k"))
+    assert kernel_loader.cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("ECHONCCL_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_loader.cache_dir() == tmp_path / "xdg" / "echonccl"
+
+
+def test_node_lock_serializes_processes(tmp_path):
+    """The compile lock (fcntl) keeps a second process out until the first lets go."""
+    import subprocess
+    import sys
+    import time
+
+    lock = tmp_path / "k.lock"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, sys, time
+f = open({str(lock)!r}, "a"); fcntl.flock(f, fcntl.LOCK_EX); print("held", flush=True); time.sleep(1.0)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    t0 = time.monotonic()
+    with kernel_loader._node_lock(lock) as locked:
+        waited = time.monotonic() - t0
+    holder.wait(10)
+    assert locked and waited > 0.3
