@@ -201,7 +201,7 @@ class Communicator:
         return wire.group_size(self.config.codec)
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, rounds=None, stream=None):
+    def all_reduce(self, x, out=None, *, feedback=None, algorithm=None, rounds=None, flush=False, stream=None):
         """Sum ``x`` over all ranks into ``out`` and return ``out``.
 
         ``x``: a float16/bfloat16/float32 array of the engine (numpy for the
@@ -217,6 +217,11 @@ class Communicator:
         after the first sends the residuals the previous one left, through the
         feedback state, and adds their sum to ``out`` (`schedules.rounds`): r
         times the traffic, about 10x less error per extra round. Needs feedback.
+        ``flush``: this is the last all-reduce of a forward pass: one round more than
+        ``rounds``, which sends what the whole pass still owes the stream (every earlier call's
+        residual, through the shared `Feedback`), so the pass's output carries the last round's
+        error instead of one call's; 1/L more traffic over L calls a pass. Needs feedback; no
+        effect on the 16-bit algorithms (``nccl``, ``one_shot``).
         ``stream``: the CUDA stream to run on (default: the current cupy
         stream); the call returns without synchronizing the host.
 
@@ -236,7 +241,7 @@ class Communicator:
         eng = self.engine
         key = None if out is None else eng.call_key(x, out)
         if key is not None:
-            key = (key, feedback, algorithm, rounds)
+            key = (key, feedback, algorithm, rounds, flush)
             try:
                 prep = self._prepared.get(key)
             except TypeError:               # an unhashable argument: the full path says what is wrong
@@ -253,7 +258,7 @@ class Communicator:
             xf, of = eng.flat(xa), eng.flat(oa)
             algo = self.choose_algorithm(xa.nbytes, algorithm)
             self._check_feedback(feedback, xa.size, name)
-            rounds = self._rounds(rounds, feedback, algo)
+            rounds = self._rounds(rounds, feedback, algo, flush)
             # Every argument error above is local and raised before any communication. From
             # here on, a failure may leave the ranks out of step: it marks the communicator failed.
             sig = CallSignature(n=xa.size, shape=tuple(xa.shape), dtype=name, algorithm=algo,
@@ -493,17 +498,27 @@ class Communicator:
         if feedback.enabled:
             feedback.check_key((count, self.size, self.group_size, name), self.config.codec)
 
-    def _rounds(self, rounds, feedback, algo: str) -> int:
+    def _rounds(self, rounds, feedback, algo: str, flush=False) -> int:
         """The call's round count: 1 for the exact baseline and, unless asked for explicitly
-        (then `ValueError`), for calls without feedback; else ``rounds`` or the config's."""
+        (then `ValueError`), for calls without feedback; else ``rounds`` or the config's, one
+        more with ``flush`` (at most `config.MAX_ROUNDS` in all)."""
+        if not isinstance(flush, bool):
+            raise TypeError(f"flush must be True or False, not {flush!r}")
         no_feedback = feedback is False or (feedback is not None and not feedback.enabled)
+        if flush and no_feedback:
+            raise ValueError("flush=True sends the feedback residuals: it needs feedback, and this call has none")
         if rounds is None:
-            return 1 if no_feedback or algo in ("nccl", "one_shot") else self.config.rounds
-        _config.check_rounds(rounds)
-        if rounds > 1 and no_feedback:
-            raise ValueError(f"rounds={rounds} sends the feedback residuals: it needs feedback, "
-                             "and this call has none")
-        return 1 if algo in ("nccl", "one_shot") else rounds
+            rounds = 1 if no_feedback else self.config.rounds
+        else:
+            _config.check_rounds(rounds)
+            if rounds > 1 and no_feedback:
+                raise ValueError(f"rounds={rounds} sends the feedback residuals: it needs feedback, "
+                                 "and this call has none")
+        if algo in ("nccl", "one_shot"):
+            return 1
+        if flush and rounds == _config.MAX_ROUNDS:
+            raise ValueError(f"flush=True adds a round to rounds={rounds}: at most {_config.MAX_ROUNDS} in all")
+        return rounds + flush
 
     def _feedback(self, feedback, layout, name, entry, ws_entry, capturing: bool):
         """The residuals of this call (``feedback`` already passed `_check_feedback`;

@@ -11,9 +11,11 @@ all-reduce completes it, and it is added into the residual stream h.
 
 The feedback scope that makes the errors telescope: ONE `Feedback` shared by
 every all-reduce adding into the same residual stream (2 per block), reset at
-the start of each forward pass (so every pass gives the same output). The
-final hidden state is compared with the same model run on the baseline
-all-reduce (NCCL / MPI), with and without feedback. Activations are float32 or bfloat16 (matmuls in float32). Runs on
+the start of each forward pass (so every pass gives the same output); the last
+all-reduce of a pass may flush (``flush=True``: one more round, which sends
+what the whole pass still owes the stream). The final hidden state is compared
+with the same model run on the baseline all-reduce (NCCL / MPI), with and
+without feedback. Activations are float32 or bfloat16 (matmuls in float32). Runs on
 the GPU engine (cupy) or the CPU engine (numpy; small sizes by default).
 """
 import argparse
@@ -87,12 +89,14 @@ def mlp_partial(x, b):
 
 
 def forward(h0, all_reduce):
-    """L blocks: h += all_reduce(partial) twice per block. h (the residual stream) in ``act``."""
+    """L blocks: h += all_reduce(partial, last) twice per block (``last``: the pass's last call).
+    h (the residual stream) in ``act``."""
     h = h0
-    for b in blocks:
+    for i, b in enumerate(blocks):
         for sub in (attention_partial, mlp_partial):
             partial = sub(rms_norm(h.astype(f32)), b).astype(act)      # this rank's partial sum
-            h = (h.astype(f32) + all_reduce(partial).astype(f32)).astype(act)
+            last = i == len(blocks) - 1 and sub is mlp_partial
+            h = (h.astype(f32) + all_reduce(partial, last).astype(f32)).astype(act)
     return h
 
 
@@ -103,10 +107,11 @@ causal = xp.arange(S)[None, :] > xp.arange(S)[:, None]      # True above the dia
 
 fb = comm.new_feedback()                               # ONE state for the whole residual stream
 variants = {
-    comm.engine.baseline_name: comm.baseline_all_reduce,
-    "4-bit + shared feedback": lambda x: comm.all_reduce(x, feedback=fb),
-    "2 rounds + feedback": lambda x: comm.all_reduce(x, feedback=fb, rounds=2),   # 2x traffic, ~10x less error
-    "4-bit, no feedback": lambda x: comm.all_reduce(x, feedback=False),
+    comm.engine.baseline_name: lambda x, last: comm.baseline_all_reduce(x),
+    "4-bit + shared feedback": lambda x, last: comm.all_reduce(x, feedback=fb),
+    "4-bit + feedback + flush": lambda x, last: comm.all_reduce(x, feedback=fb, flush=last),   # 1/(2L) more traffic
+    "2 rounds + feedback": lambda x, last: comm.all_reduce(x, feedback=fb, rounds=2),   # 2x traffic, ~10x less error
+    "4-bit, no feedback": lambda x, last: comm.all_reduce(x, feedback=False),
 }
 results = {}
 for name, all_reduce in variants.items():

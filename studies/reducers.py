@@ -78,7 +78,7 @@ class Echo:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         self.calls += 1
         last = self.flush and self.calls == self.calls_per_pass
-        kw = dict(feedback=self.feedback, algorithm=self.algorithm, rounds=self.rounds + last)
+        kw = dict(feedback=self.feedback, algorithm=self.algorithm, rounds=self.rounds, flush=last)
         xin = np.ascontiguousarray(x).astype(self.dtype)
         if self.gpu:
             import cupy
