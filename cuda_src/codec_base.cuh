@@ -77,6 +77,8 @@ struct __align__(2) bf16_t { u16 x; };
 
 template <typename A, typename B> struct IsSame { static constexpr bool v = false; };
 template <typename A> struct IsSame<A, A> { static constexpr bool v = true; };
+template <bool C, typename A, typename B> struct Pick { using type = A; };      // C ? A : B
+template <typename A, typename B> struct Pick<false, A, B> { using type = B; };
 typedef half_t f16;
 typedef bf16_t bf16;
 typedef float f32;

@@ -174,26 +174,20 @@ __device__ __noinline__ void phase_push(const T* own, i64 own_n, ResT* res, unsi
         RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
         j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
-template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+// The owner's reduce: the P - 1 incoming contributions (codec GIn, kInCodec) and its own slice
+// summed, quantized in the sums' codec (G, kCodec) into `wire` and the peers' copies, its output
+// slice written. RefT: T (the residual holds the output's rounding to T; `base`: a refinement
+// round's) or float (echonccl Feedback(rounding=False): the sum's quantization error alone, two
+// rotations an element instead of three; no base).
+template <typename T, typename ResT, typename RefT, int G, int kCodec, int GIn, int kInCodec, bool kWhole>
 __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
-    reduce_quantize_loop<T, ResT, T, G, kCodec, true, true, 1, kWhole>(
-        RqArgs<T, ResT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, base, base_n, copies, ncopies, copy_off,
-                           out, out_n},
-        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
-}
-// phase_reduce with the owner's ref in float32 (no base): its residual is the sum's
-// quantization error alone, not its output's rounding to T (two rotations an element, not three).
-template <typename T, typename ResT, int G, int kCodec, bool kWhole>
-__device__ __noinline__ void phase_reduce_ref32(const unsigned char* incoming, int n_in, int own_pos, const T* own,
-                                              i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j, i64 ntiles,
-                                              unsigned char* const* copies, int ncopies, i64 copy_off, T* out,
-                                              i64 out_n) {
-    reduce_quantize_loop<T, ResT, float, G, kCodec, true, true, 1, kWhole>(
-        RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
-                                  copy_off, out, out_n},
+    constexpr bool kRef32 = !IsSame<RefT, T>::v;      // a float32 ref of 16-bit data: never a base
+    reduce_quantize_loop<T, ResT, RefT, G, kCodec, true, true, 1, kWhole, T, GIn, kInCodec>(
+        RqArgs<T, ResT, RefT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, kRef32 ? nullptr : base,
+                                 kRef32 ? 0 : base_n, copies, ncopies, copy_off, out, out_n},
         j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
 }
 template <typename T, int G, int kCodec, bool kWhole>
@@ -223,10 +217,12 @@ __device__ __noinline__ void phase_decode_sum(const Terms& terms, T* out, i64 co
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
 // at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count == P * S, and
 // x, out and the residuals 16-byte aligned (the host's choice; see phase_contribute). kRef32: the
-// owner's ref in float32 (phase_reduce_ref32; echonccl Feedback(rounding=False)), never with
+// owner's ref in float32 (phase_reduce; echonccl Feedback(rounding=False)), never with
 // accumulate (a refinement round runs the kernel without it). One owner phase per kernel: both
 // in one, picked at run time, made the kernel 7-35% slower on one H200 (more spills).
-template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool kRef32>
+// Contributions travel in codec (G, kCodec), the owners' sums in (GS, kSumCodec): the same, or
+// int7-h32 sums of int4-h32 contributions (echonccl codec int4-h32/int7-h32).
+template <typename T, typename ResT, int G, int kCodec, int GS, int kSumCodec, bool kWhole, bool kRef32>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -235,7 +231,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
     __shared__ long long s_item;
     __shared__ int s_ok;
     const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
-    const i64 slice_bytes = Wire<G, kCodec>::slice_bytes(S);
+    const i64 slice_bytes = Wire<G, kCodec>::slice_bytes(S);       // a contribution's
+    const i64 sum_bytes = Wire<GS, kSumCodec>::slice_bytes(S);     // an owner's sum's
     const i64 T_ = ntiles;
     const i64 n1 = (i64)(P - 1) * T_;
     unsigned char* my_recv = table->recv[rank];
@@ -271,17 +268,10 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            if constexpr (kRef32)
-                phase_reduce_ref32<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
-                                                               my_gather + rank * slice_bytes, S, j, T_,
-                                                               table->gather_peers, P - 1, rank * slice_bytes,
-                                                               out + blo, bhi - blo);
-            else
-                phase_reduce<T, ResT, G, kCodec, kWhole>(my_recv, P - 1, rank, x + lo, hi - lo, res_out,
-                                                         my_gather + rank * slice_bytes, S,
-                                                         accumulate ? out + blo : nullptr, bhi - blo, j, T_,
-                                                         table->gather_peers, P - 1, rank * slice_bytes,
-                                                         out + blo, bhi - blo);
+            phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole>(
+                my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * sum_bytes, S,
+                (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers, P - 1,
+                rank * sum_bytes, out + blo, bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 for (int s = 0; s < P; ++s)
@@ -298,7 +288,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, G, kCodec, kWhole>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, GS, kSumCodec, kWhole>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
     end_call(ctl, epoch);
@@ -537,16 +527,17 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 // that lie whole in aligned buffers (see the top of this file); a kernel holding both loops,
 // picked at run time, spilled more in every phase.
 //
-// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, WHOLE, REF32)
+// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32)
 //     (const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out, i64 S, i64 rank, i64 P,
 //      i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table, Ctl* ctl, i64 timeout_ns)
-//     REF32: see fused_two_shot_body
-#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, WHOLE, REF32)                                                     \
+//     GS, SUMCODEC (the sums' codec), REF32: see fused_two_shot_body
+#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32)                                       \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, WHOLE, REF32>(x, x_n, out, count, res_in, res_out, S,   \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, GS, SUMCODEC, WHOLE, REF32>(                           \
+                                                                          x, x_n, out, count, res_in, res_out, S,     \
                                                                           (int)rank, (int)P, ntiles, max_tiles,       \
                                                                           (int)accumulate, table, ctl,                \
                                                                           (echo::u64)timeout_ns);                     \

@@ -5,7 +5,8 @@
 //
 // Parameters are 8-byte values (pointers or long long), as echonccl/kernels_cuda.py passes them:
 //
-//   ECHO_RQ_KERNEL: reduce_quantize (echonccl/kernels.py)
+//   ECHO_RQ_KERNEL: reduce_quantize (echonccl/kernels.py); GIN, INCODEC: the incoming slices' codec
+//   (the owner of a mixed codec; else G, CODEC)
 //       (const uint8 *incoming, i64 n_in, i64 own_pos, const In *own, i64 own_n,
 //        Res *residual /* may be null */, uint8 *wire_out, i64 S, const Ref *base /* may be null */, i64 base_n)
 //   ECHO_DQ_KERNEL: dequantize; grid.y = the slices to decode (ceil(count / S))
@@ -40,14 +41,15 @@ constexpr int kDqsMinBlocks = 4;
 
 }  // namespace echo
 
-#define ECHO_RQ_KERNEL(NAME, IN, RES, REF, G, CODEC)                                                                \
+#define ECHO_RQ_KERNEL(NAME, IN, RES, REF, G, CODEC, GIN, INCODEC)                                                  \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK,                                                          \
                                                  (echo::kRqMinBlocks<echo::IN, echo::RES, echo::REF, G, CODEC>))      \
         NAME(const unsigned char* __restrict__ incoming, long long n_in, long long own_pos,                           \
              const echo::IN* __restrict__ own, long long own_n, echo::RES* __restrict__ residual,                    \
              unsigned char* __restrict__ wire_out, long long S, const echo::REF* __restrict__ base,                   \
              long long base_n) {                                                                                      \
-        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC, false, false, echo::kInBatch, true>(    \
+        echo::reduce_quantize_body<echo::IN, echo::RES, echo::REF, G, CODEC, false, false, echo::kInBatch, true, GIN, \
+                                   INCODEC>(                                                                          \
             echo::RqArgs<echo::IN, echo::RES, echo::REF>{incoming, n_in, own_pos, own, own_n, residual, wire_out, S,  \
                                                         base, base_n},                                               \
             (long long)blockIdx.x * blockDim.x + threadIdx.x, S >> 3, (long long)gridDim.x * blockDim.x);             \

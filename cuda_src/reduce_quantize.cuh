@@ -127,8 +127,10 @@ struct RqArgs {
 // and spills, faster with two ranks; the standalone kernels use kInBatch).
 // kFull: every buffer holds the whole slice and is 16-byte aligned (reduce_quantize_body
 // checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
+// GIn, kInCodec: the incoming slices' codec (default: G, kCodec, the codec of wire_out); another
+// one of the same domain for an owner of a mixed codec (int4-h32 contributions, int7-h32 sums).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
-          bool kFull, typename OutT = RefT>
+          bool kFull, typename OutT = RefT, int GIn = G, int kInCodec = kCodec>
 __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, RefT, OutT>& a, i64 t_first, i64 t_end,
                                                      i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
@@ -145,7 +147,10 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     constexpr bool kRot = W::kRot;
     constexpr int kLanes = W::kLanes;
     const i64 nthreads = t_end;
-    const i64 slice_bytes = W::slice_bytes(S);
+    using WIn = Wire<GIn, kInCodec>;
+    static_assert(WIn::kRot == kRot, "incoming and outgoing slices in one domain");
+    const i64 in_slice_bytes = WIn::slice_bytes(S);
+    const i64 in_codes_bytes = WIn::codes_bytes(S);
     const i64 codes_bytes = W::codes_bytes(S);
     const bool own_vec = aligned16(own);
     const bool res_vec = residual != nullptr && aligned16(residual);
@@ -195,16 +200,17 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 if (b0 + u < nin) {
-                    const unsigned char* sl = incoming + (i64)(b0 + u) * slice_bytes;
-                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
-                    sc[u] = scale_of<G, kCodec>(ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, grp), t);
+                    const unsigned char* sl = incoming + (i64)(b0 + u) * in_slice_bytes;
+                    w[u] = ld_codes<GIn, kInCodec, kPeer>(sl, t, S);
+                    sc[u] = scale_of<GIn, kInCodec>(
+                        ld_scale_bits<GIn, kInCodec, kPeer>(sl + in_codes_bytes, t, t / WIn::kLanes), t);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 if (b0 + u < nin) {
                     if (b0 + u == opos) add_terms(acc, own_v);
-                    add_decoded<kCodec>(acc, w[u], sc[u]);
+                    add_decoded<kInCodec>(acc, w[u], sc[u]);
                 }
             }
         }
@@ -483,15 +489,16 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
 // reduce_quantize over the threads [t_first, t_end) of a slice, walked with `stride` (see
 // reduce_quantize_loop): the loop without bounds tests when every buffer holds the slice.
 // kMayBlock32 (the standalone kernels, whose t_first and stride are the grid's):
-// reduce_quantize_block32 where it applies, with the same grid over S / 32 units.
+// reduce_quantize_block32 where it applies, with the same grid over S / 32 units. GIn, kInCodec:
+// the incoming slices' codec (reduce_quantize_loop).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec = kInt4, bool kPeer = false,
-          bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false>
+          bool kOut = false, int kBatch = kInBatch, bool kMayBlock32 = false, int GIn = G, int kInCodec = kCodec>
 __device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, RefT>& a, i64 t_first, i64 t_end,
                                                      i64 stride) {
     const bool whole = aligned16(a.own) && a.own_n >= a.S && (a.residual == nullptr || aligned16(a.residual)) &&
                        (a.base == nullptr || (aligned16(a.base) && a.base_n >= a.S)) &&
                        (!kOut || a.out_p == nullptr || (aligned16(a.out_p) && a.out_n >= a.S));
-    if constexpr (kMayBlock32 && kBlock32Rq<InT, ResT, RefT, G, kCodec> && !kPeer && !kOut) {
+    if constexpr (kMayBlock32 && kBlock32Rq<InT, ResT, RefT, G, kCodec> && !kPeer && !kOut && kInCodec == kCodec) {
         if (whole && a.base == nullptr && aligned16(a.incoming) && aligned16(a.wire_out) && a.ncopies == 0) {
             reduce_quantize_block32<InT, ResT, RefT>(a, t_first, stride);
             return;
@@ -499,9 +506,11 @@ __device__ __forceinline__ void reduce_quantize_body(const RqArgs<InT, ResT, Ref
     }
     constexpr bool kTwoLoops = sizeof(InT) == 2 && sizeof(ResT) != 4;
     if (kTwoLoops && whole)
-        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true>(a, t_first, t_end, stride);
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, true, RefT, GIn, kInCodec>(
+            a, t_first, t_end, stride);
     else
-        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false>(a, t_first, t_end, stride);
+        reduce_quantize_loop<InT, ResT, RefT, G, kCodec, kPeer, kOut, kBatch, false, RefT, GIn, kInCodec>(
+            a, t_first, t_end, stride);
 }
 
 }  // namespace echo

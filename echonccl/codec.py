@@ -135,6 +135,15 @@ first such scale's NaN (quieted, then rounded to the output as for ``int4``).
 SmolLM2-135M at P = 2, 4, 8 on two texts: within 0.2% of the unsplit model's perplexity
 and 98.2-98.9% top-1 agreement (ACCURACY.md).
 
+``int4-h32/int7-h32`` (``MIXED``): the two-shot's contributions travel as ``int4-h32``, the
+owners' sums as ``int7-h32``. Both rotate the same 32-element blocks, so the owner adds the
+decoded ``int4-h32`` contributions in the rotated domain, quantizes the sum once as ``int7-h32``
+and every rank decodes that; the feedback residuals stay in the rotated domain. The second
+quantization, the larger share of a 4-bit two-shot's error, is then 8-bit, for 8 instead of 4.5
+bits an element of the gathered half of the traffic. Schedules that never quantize a sum
+(``one_shot_q``) send ``int4-h32`` alone. (`parts` splits the name; every function here that
+handles one slice's wire takes one of ``WIRE_CODECS``.)
+
 Residuals (error feedback)
 --------------------------
 The quantizer keeps what rounding lost: ``residual = v - ref`` where ``ref`` is
@@ -166,7 +175,9 @@ from __future__ import annotations
 
 import numpy as np
 
-CODECS = ("int4", "int4-h32", "int7-h32")
+WIRE_CODECS = ("int4", "int4-h32", "int7-h32")      # the wire formats of one slice
+MIXED = "int4-h32/int7-h32"                         # int4-h32 contributions, int7-h32 sums
+CODECS = (*WIRE_CODECS, MIXED)
 DEFAULT_CODEC = "int4-h32"
 ROT_BLOCK = 32
 ROT_SIGNS = 0x6A09E667
@@ -191,31 +202,45 @@ def check_codec(codec: str) -> str:
     return codec
 
 
+def parts(codec: str) -> tuple[str, str]:
+    """(the contributions' wire codec, the sums' wire codec) of ``codec``: ``MIXED`` sends 4-bit
+    contributions and 8-bit sums, every other codec one wire format both ways."""
+    a, _, b = check_codec(codec).partition("/")
+    return a, b or a
+
+
+def _wire(codec: str) -> str:
+    if codec not in WIRE_CODECS:
+        raise ValueError(f"a slice's wire format is one of {WIRE_CODECS}, got {codec!r} (parts() splits a pair)")
+    return codec
+
+
 def group_size(codec: str) -> int:
-    """Elements per scale of ``codec``: 32 (``int4``, ``int4-h32``) or 16 (``int7-h32``)."""
-    return _GROUPS[check_codec(codec)]
+    """Elements per scale of ``codec``'s contributions: 32 (``int4``, ``int4-h32``, ``MIXED``) or 16
+    (``int7-h32``)."""
+    return _GROUPS[parts(codec)[0]]
 
 
 def rotated(codec: str) -> bool:
-    """Whether ``codec`` runs in the rotated (Hadamard) domain."""
-    return check_codec(codec) != "int4"
+    """Whether ``codec`` runs in the rotated (Hadamard) domain (both parts of ``MIXED`` do)."""
+    return parts(codec)[0] != "int4"
 
 
 def wide(codec: str) -> bool:
-    """Whether ``codec`` is ``int7-h32`` (7-bit codes, bfloat16 scales)."""
-    return check_codec(codec) == "int7-h32"
+    """Whether wire codec ``codec`` is ``int7-h32`` (7-bit codes, bfloat16 scales)."""
+    return _wire(codec) == "int7-h32"
 
 
 def bf16_scales(codec: str) -> bool:
-    """Whether ``codec``'s scales are truncated to bfloat16 on the wire (the rotated codecs);
-    ``int4``'s are float32."""
-    return rotated(codec)
+    """Whether wire codec ``codec``'s scales are truncated to bfloat16 on the wire (the rotated
+    codecs); ``int4``'s are float32."""
+    return _wire(codec) != "int4"
 
 
 def unit_size(codec: str, group: int) -> int:
     """Elements that share one fate under NaN/Inf and one scale's error bound: the group, or
-    ``int7-h32``'s rotation block of two groups."""
-    return ROT_BLOCK if wide(codec) else group
+    ``int7-h32``'s rotation block of two groups (``MIXED``: the block, which is an int4-h32 group)."""
+    return ROT_BLOCK if any(wide(c) for c in parts(codec)) else group
 
 
 _ROT_NEG = np.array([(ROT_SIGNS >> i) & 1 for i in range(ROT_BLOCK)], dtype=bool)
@@ -288,7 +313,7 @@ def _trunc_bf16(s: np.ndarray, positive: np.ndarray) -> np.ndarray:
 
 def quantize_groups(v: np.ndarray, group: int, codec: str = "int4") -> tuple[np.ndarray, np.ndarray]:
     """Quantize float32 ``v`` (length a multiple of ``group``) to int8 codes and float32 scales."""
-    levels = _F32(_LEVELS[check_codec(codec)])
+    levels = _F32(_LEVELS[_wire(codec)])
     g = v.reshape(-1, group)
     finite = np.isfinite(g).all(axis=1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):

@@ -15,15 +15,16 @@ from .engine import Engine
 from .errors import CommunicatorFailedError, EchoncclError, MismatchError
 from .feedback import DEFAULT_RESIDUAL, Feedback
 from .layout import Layout
-from .schedules import SCHEDULES, gather_slices, run_rounds
+from .schedules import SCHEDULES, gather_slots, run_rounds
 
 
 @dataclass
 class Workspace:
     """Wire buffers of one layout, owned by the communicator, reused by every call.
 
-    ``peers_out``/``peers_in``: P-1 slices each; ``gather``: P slices (`one_shot_q`'s: P * P
-    slices, and no peer slots).
+    ``peers_out``/``peers_in``: P-1 slices of contributions each; ``gather``: the schedule's
+    `schedules.gather_slots` (P slices of sums; `one_shot_q`'s: P * P contributions, and no peer
+    slots).
     """
 
     peers_out: object
@@ -49,41 +50,37 @@ class CallSignature(NamedTuple):
 
 
 class _WireBuffers:
-    """The buffers behind the workspaces of every layout whose slices fit in ``slice_bytes``
-    (a size class, `_size_class`), and the exact-size views handed to each layout: P - 1 peer
-    slots each way and ``gather_slices`` gather slots (0 peer slots when that is not P)."""
+    """The buffers behind the workspaces of every layout whose slices fit (`_size_class`):
+    P - 1 peer slots of ``peer_bytes`` each way (none when the gather is not P slots) and
+    ``gather_slots`` of ``gather_bytes``, and the exact-size views handed to each layout."""
 
-    __slots__ = ("peers_out", "peers_in", "gather", "peers", "gather_slices", "views")
+    __slots__ = ("peers_out", "peers_in", "gather", "peers", "gather_slots", "views")
 
-    def __init__(self, engine, nranks: int, slice_bytes: int, gather_slices: int | None = None):
-        B = slice_bytes
-        self.peers, self.gather_slices = self._slots(nranks, gather_slices)
-        self.peers_out = engine.empty_bytes(self.peers * B)
-        self.peers_in = engine.empty_bytes(self.peers * B)
-        self.gather = engine.empty_bytes(self.gather_slices * B)
+    def __init__(self, engine, nranks: int, peer_bytes: int, gather_slots: int, gather_bytes: int):
+        self.peers, self.gather_slots = self._peers(nranks, gather_slots), gather_slots
+        self.peers_out = engine.empty_bytes(self.peers * peer_bytes)
+        self.peers_in = engine.empty_bytes(self.peers * peer_bytes)
+        self.gather = engine.empty_bytes(gather_slots * gather_bytes)
         self.views: dict = {}
 
     @staticmethod
-    def _slots(nranks: int, gather_slices: int | None) -> tuple[int, int]:
-        """(peer slots each way, gather slots)."""
-        n = nranks if gather_slices is None else gather_slices
-        return (nranks - 1 if n == nranks else 0), n
+    def _peers(nranks: int, gather_slots: int) -> int:
+        return nranks - 1 if gather_slots == nranks else 0
 
     @classmethod
-    def nbytes(cls, nranks: int, slice_bytes: int, gather_slices: int | None = None) -> int:
-        peers, n = cls._slots(nranks, gather_slices)
-        return (2 * peers + n) * slice_bytes
+    def nbytes(cls, nranks: int, peer_bytes: int, gather_slots: int, gather_bytes: int) -> int:
+        return 2 * cls._peers(nranks, gather_slots) * peer_bytes + gather_slots * gather_bytes
 
-    def workspace(self, layout: Layout) -> Workspace:
-        """Views of exactly the bytes ``layout`` uses (schedules address slots by
-        `Layout.wire_slot` from offset 0, so a layout with smaller slices fits)."""
+    def workspace(self, layout: Layout, gather_bytes: int) -> Workspace:
+        """Views of exactly the bytes ``layout`` uses, gather slots of ``gather_bytes`` (schedules
+        address slots from offset 0, so a layout with smaller slices fits)."""
         ws = self.views.get(layout)
         if ws is None:
             if len(self.views) >= 64:
                 self.views.clear()
             B = layout.slice_bytes
             ws = self.views[layout] = Workspace(self.peers_out[:self.peers * B], self.peers_in[:self.peers * B],
-                                                self.gather[:self.gather_slices * B])
+                                                self.gather[:self.gather_slots * gather_bytes])
         return ws
 
 
@@ -305,7 +302,7 @@ class Communicator:
             run = lambda stream, _x, _out: launch(stream)     # noqa: E731
         else:
             assert ws is not None                    # every non-fused schedule has its workspace
-            valid, schedule, wsv = None, SCHEDULES[algo], ws.obj.workspace(layout)
+            valid, schedule, wsv = None, SCHEDULES[algo], ws.obj.workspace(layout, gather_slots(algo, layout)[1])
 
             def direct(_stream, x, out):
                 run_rounds(schedule, eng.kernels, eng.transport, layout, eng.flat(x), eng.flat(out), state, wsv,
@@ -556,14 +553,14 @@ class Communicator:
     def _workspace(self, layout: Layout, capturing: bool, algo: str, keep=None):
         """The cache entry of the wire buffers of schedule ``algo`` for ``layout``'s size class
         (``keep``: another entry this call uses, not to be evicted for it)."""
-        B = _size_class(layout.slice_bytes)
-        n = gather_slices(algo, layout.nranks)
-        key = ("ws", B, n)
+        n, gather_bytes = gather_slots(algo, layout)
+        B, Bg = _size_class(layout.slice_bytes), _size_class(gather_bytes)
+        key = ("ws", B, n, Bg)
         entry = self._cache.get(key)
         if entry is None:
-            nbytes = _WireBuffers.nbytes(layout.nranks, B, n)
+            nbytes = _WireBuffers.nbytes(layout.nranks, B, n, Bg)
             self._make_room(nbytes, () if keep is None else (keep,), capturing)
-            entry = self._cache.put(key, _WireBuffers(self.engine, layout.nranks, B, n), nbytes)
+            entry = self._cache.put(key, _WireBuffers(self.engine, layout.nranks, B, n, Bg), nbytes)
         self._use(entry, capturing)
         return entry
 

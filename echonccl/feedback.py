@@ -96,7 +96,7 @@ class Feedback:
         """
         if not self.enabled:
             return None
-        codec = layout.codec if codec is None else codec
+        codec = layout.name if codec is None else codec
         self.check_key(key, codec)
         if self.key is None:
             dt = wire.residual_dtype(self.residual_dtype, input_dtype)

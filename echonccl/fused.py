@@ -99,7 +99,7 @@ class FusedPaths:
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:
         """True when ``layout`` fits a region (growing it collectively if needed)."""
-        return self._region(layout.slice_bytes, fused_tiles(layout.slice_elems)) is not None
+        return self._region(_two_shot_slot(layout), fused_tiles(layout.slice_elems)) is not None
 
     def two_shot(self, layout, x, out, state, rounds: int = 1) -> None:
         """The fused two_shot of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
@@ -110,7 +110,7 @@ class FusedPaths:
         stream, ``rounds`` launches (the communicator keeps it for later calls of these buffers);
         ``valid()`` stays true while the region it uses serves new calls."""
         T = fused_tiles(layout.slice_elems)
-        region = self._region(layout.slice_bytes, T)
+        region = self._region(_two_shot_slot(layout), T)
         return self._two_shot_run(layout, T, region, x, out, state, rounds), self._current(region)
 
     def _two_shot_run(self, layout, T, region, x, out, state, rounds: int):
@@ -122,11 +122,11 @@ class FusedPaths:
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
         whole = self.whole and _whole_slices(layout, x, out, state)
-        first = _Launch(Kernel("two_shot", t, layout.codec, r, "f32" if ref32 else "", whole), grid, args)
+        first = _Launch(Kernel("two_shot", t, layout.name, r, "f32" if ref32 else "", whole), grid, args)
         if rounds == 1:
             return first
         args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
-        return _rounds_run(first, _Launch(Kernel("two_shot", t, layout.codec, r), grid, args), rounds)
+        return _rounds_run(first, _Launch(Kernel("two_shot", t, layout.name, r), grid, args), rounds)
 
     # -- quantized one-shot -----------------------------------------------------------------
     def one_shot_q_fits(self, layout) -> bool:
@@ -220,6 +220,11 @@ def _rounds_run(first, more, rounds: int):
         for _ in range(extra):
             more(stream)
     return run
+
+
+def _two_shot_slot(layout) -> int:
+    """Bytes of a region slot serving the fused two_shot of ``layout``: a contribution or a sum."""
+    return max(layout.slice_bytes, layout.sums.slice_bytes)
 
 
 def _one_shot_q_needs(layout):

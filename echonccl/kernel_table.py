@@ -7,12 +7,14 @@ with one ``ECHO_*_KERNEL`` macro per family; `source` writes the launch constant
 line per kernel of this table, so the CUDA entry points and the names the launch side uses
 (`Kernel.name`) come from here alone. Nothing else instantiates a kernel.
 
-* `ALL`: every kernel a documented option can run: for each codec, reduce_quantize for each
+* `ALL`: every kernel a documented option can run: for each wire codec, reduce_quantize for each
   (input, residual, reference) type the schedules use, dequantize and its sum of parts for each
   output type, the fused two-shot (and its float32-reference owner for 16-bit data, for
   ``Feedback(rounding=False)``) and quantized one-shot for each (input, residual), each for any
-  slices and for slices that lie whole in aligned buffers; the 16-bit one-shots. Whether a
-  decode adds into its output is a run-time argument.
+  slices and for slices that lie whole in aligned buffers; for each pair of codecs (`PAIRS`:
+  int4-h32 contributions, int7-h32 sums) the owner's reduce_quantize and the fused two-shot (the
+  rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
+  its output is a run-time argument.
 * `PREBUILT`: the default codec's kernels and the one-shots: what ``python -m echonccl.build`` and
   the wheel compile ahead of time (`echonccl.build`). The other codecs' kernels are compiled on
   demand, one at a time, the first time a call needs them (`echonccl.kernel_loader`).
@@ -37,9 +39,10 @@ DQ_BLOCKS_PER_SM = 16       # grid of the standalone dequantize (blocks per SM, 
 # ------------------------------------------------------------------------ the table
 DTYPES = ("f16", "bf16", "f32")
 DEFAULT_CODEC = "int4-h32"
-# codec -> (echo::kInt4 / kInt4H32 / kInt7H32, group size); codec.py is the format's definition
+# wire codec -> (echo::kInt4 / kInt4H32 / kInt7H32, group size); codec.py is the format's definition
 # (tests/test_kernel_table.py checks the two agree)
 CODECS = {"int4": (0, 32), "int4-h32": (1, 32), "int7-h32": (2, 16)}
+PAIRS = ("int4-h32/int7-h32",)       # contributions' codec / sums' codec (codec.MIXED)
 FAMILIES = ("reduce_quantize", "dequantize", "dequantize_sum", "two_shot", "one_shot_q", "one_shot", "one_shot_ll")
 FUSED_FAMILIES = ("two_shot", "one_shot_q", "one_shot", "one_shot_ll")
 
@@ -57,9 +60,11 @@ def refs(dtype: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Kernel:
     """One kernel: ``family`` (`FAMILIES`), ``dtype`` (input/output type), ``codec`` (none for the
-    16-bit one-shots), ``res`` (residual type), ``ref`` (reduce_quantize: its reference type;
-    two_shot: ``"f32"`` for the owner whose residual leaves out its output's rounding), ``whole``
-    (two_shot, one_shot_q: the kernel for slices that lie whole in 16-byte aligned buffers)."""
+    16-bit one-shots; a pair of `PAIRS` for the owner's reduce_quantize, incoming / written, and
+    for the fused two-shot, contributions / sums), ``res`` (residual type), ``ref`` (reduce_quantize:
+    its reference type; two_shot: ``"f32"`` for the owner whose residual leaves out its output's
+    rounding), ``whole`` (two_shot, one_shot_q: the kernel for slices that lie whole in 16-byte
+    aligned buffers)."""
 
     family: str
     dtype: str
@@ -70,7 +75,7 @@ class Kernel:
 
     @property
     def name(self) -> str:
-        cid = "_" + self.codec.replace("-", "_") if self.codec else ""
+        cid = "_" + self.codec.replace("-", "_").replace("/", "_") if self.codec else ""
         if self.family == "reduce_quantize":
             return f"echo_reduce_quantize_{self.dtype}_res{self.res}_ref{self.ref}{cid}"
         if self.family in ("dequantize", "dequantize_sum", "one_shot", "one_shot_ll"):
@@ -87,16 +92,18 @@ class Kernel:
         f, t = self.family, self.dtype
         if f in ("one_shot", "one_shot_ll"):
             return f"ECHO_{f.upper()}_KERNEL({self.name}, {t})"
-        codec_id, group = CODECS[self.codec]
-        if f == "reduce_quantize":
-            return f"ECHO_RQ_KERNEL({self.name}, {t}, {self.res}, {self.ref}, {group}, {codec_id})"
+        first, _, second = self.codec.partition("/")
+        (id1, g1), (id2, g2) = CODECS[first], CODECS[second or first]
+        codec_id, group = id1, g1
+        if f == "reduce_quantize":       # the codec written, then the incoming one
+            return f"ECHO_RQ_KERNEL({self.name}, {t}, {self.res}, {self.ref}, {g2}, {id2}, {g1}, {id1})"
         if f == "dequantize":
             return f"ECHO_DQ_KERNEL({self.name}, {t}, {group}, {codec_id})"
         if f == "dequantize_sum":
             return f"ECHO_DQS_KERNEL({self.name}, {t}, {group}, {codec_id})"
         whole = "true" if self.whole else "false"
         if f == "two_shot":
-            return (f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole}, "
+            return (f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {g1}, {id1}, {g2}, {id2}, {whole}, "
                     f"{'true' if self.ref == 'f32' else 'false'})")
         return f"ECHO_ONE_SHOT_Q_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole})"
 
@@ -114,10 +121,32 @@ def _codec_kernels(codec: str) -> list[Kernel]:
     return out
 
 
+def _pair_kernels(pair: str) -> list[Kernel]:
+    out = []
+    for t in DTYPES:
+        out += [Kernel("reduce_quantize", t, pair, r, f) for r in residuals(t) for f in refs(t)]
+        for w in (False, True):
+            out += [Kernel("two_shot", t, pair, r, whole=w) for r in residuals(t)]
+            if t != "f32":
+                out += [Kernel("two_shot", t, pair, r, "f32", w) for r in residuals(t)]
+    return out
+
+
 ALL: tuple[Kernel, ...] = tuple(k for c in CODECS for k in _codec_kernels(c)) + tuple(
-    Kernel(f, t) for f in ("one_shot", "one_shot_ll") for t in DTYPES)
+    k for p in PAIRS for k in _pair_kernels(p)) + tuple(Kernel(f, t) for f in ("one_shot", "one_shot_ll") for t in DTYPES)
 BY_NAME: dict[str, Kernel] = {k.name: k for k in ALL}
-PREBUILT: tuple[Kernel, ...] = tuple(k for k in ALL if k.codec in ("", DEFAULT_CODEC))
+
+
+def kernels_of(codec: str) -> tuple[Kernel, ...]:
+    """Every kernel an all-reduce in ``codec`` can run, any schedule, type and residual: a pair's
+    own kernels, its contributions' codec's and its sums' decodes."""
+    first, _, second = codec.partition("/")
+    return tuple(k for k in ALL if k.codec in (first, codec)
+                 or (k.codec == second and k.family in ("dequantize", "dequantize_sum")))
+
+
+_DEFAULT_KERNELS = set(kernels_of(DEFAULT_CODEC))
+PREBUILT: tuple[Kernel, ...] = tuple(k for k in ALL if k.codec == "" or k in _DEFAULT_KERNELS)
 
 
 def lookup(name: str) -> Kernel:

@@ -2,7 +2,7 @@
 
 Two operations are enough for every schedule:
 
-``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None)``
+``reduce_quantize(layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None, out_layout=None)``
     Sum, in float32 and in this order, the decoded slices of ``incoming`` (a
     wire buffer of ``n_in`` consecutive slices, or None for ``n_in = 0``) with
     this rank's own contribution ``own`` inserted at position ``own_pos``
@@ -14,7 +14,9 @@ Two operations are enough for every schedule:
       length at most ``layout.slice_elems`` (the rest counts as zeros).
     * ``residual``: ``layout.slice_elems`` elements (float32 or the input
       dtype), read and overwritten; None when feedback is off.
-    * ``wire_out``: ``layout.slice_bytes`` bytes, overwritten.
+    * ``wire_out``: ``out_layout.slice_bytes`` bytes, overwritten, in ``out_layout``'s codec
+      (default ``layout``: ``incoming`` is in ``layout``'s; an owner of a mixed codec passes
+      ``layout.sums``, the same slicing in another wire format of the same domain).
     * ``base`` (an owner in a refinement round, with ``residual``): this rank's
       slice of the output so far, ``ref_dtype``, at most ``layout.slice_elems``
       elements (the rest counts as zeros), read only. ``ref`` is then
@@ -50,6 +52,6 @@ from typing import Protocol
 
 class Kernels(Protocol):
     def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype,
-                        base=None) -> None: ...
+                        base=None, out_layout=None) -> None: ...
 
     def dequantize(self, layout, wire, out, accumulate: bool = False, terms: int = 1) -> None: ...

@@ -51,7 +51,7 @@ class CudaKernels:
     def __init__(self, check: bool = True, max_blocks: int = 0):
         self.max_blocks = int(max_blocks)
         self.check = check
-        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, codec) -> RawKernel
+        self._rq: dict = {}       # (in dtype, res dtype, ref dtype, codec or pair) -> RawKernel
         self._dq: dict = {}       # (out dtype, codec, summed) -> (RawKernel, unroll)
         self._geoms: dict = {}    # (layout, device) -> Geometry
         self._sms: dict = {}      # device -> multiprocessor count
@@ -109,11 +109,14 @@ class CudaKernels:
         return k
 
     # -- the interface -----------------------------------------------------------
-    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None) -> None:
+    def reduce_quantize(self, layout, incoming, own_pos, own, residual, wire_out, ref_dtype, base=None,
+                        out_layout=None) -> None:
         geo = self._geom(layout)
-        S, G, B = geo.slice_elems, geo.group, geo.slice_bytes
+        S, B = geo.slice_elems, geo.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
-        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, layout.codec)
+        out_codec = layout.codec if out_layout is None else out_layout.codec
+        pair = layout.codec if out_codec == layout.codec else f"{layout.codec}/{out_codec}"
+        key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, pair)
         kern = self._rq.get(key) or self._rq_kernel(key)
         if residual is None:
             base = None                      # only the residual reads it
@@ -128,7 +131,11 @@ class CudaKernels:
             if residual is not None and (residual.size != codec.residual_size(S, residual.dtype)
                                          or residual.strides[0] != residual.itemsize):
                 raise ValueError(f"residual must be a contiguous 1-D view of {S} residuals")
-            if wire_out.size < B or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
+            if out_layout is not None and (out_layout.slice_elems != S
+                                           or pair not in (layout.codec, *kt.PAIRS)):
+                raise ValueError(f"out_layout must slice as layout does, in a codec of {kt.PAIRS}")
+            B_out = B if out_layout is None else out_layout.slice_bytes
+            if wire_out.size < B_out or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")
         if base is not None and base.size == 0:
             # A base is given (the reference's rule: `base is not None`), with nothing in it; an

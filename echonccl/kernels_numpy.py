@@ -24,8 +24,9 @@ class NumpyKernels:
     """numpy implementation of `kernels.Kernels` (host memory, synchronous)."""
 
     def reduce_quantize(self, layout: Layout, incoming, own_pos: int, own: np.ndarray,
-                        residual, wire_out: np.ndarray, ref_dtype, base=None) -> None:
+                        residual, wire_out: np.ndarray, ref_dtype, base=None, out_layout=None) -> None:
         S, G, B, cd = layout.slice_elems, layout.group, layout.slice_bytes, layout.codec
+        out = layout if out_layout is None else out_layout       # the codec wire_out is written in
         rot = codec.rotated(cd)
         n_in = 0 if incoming is None else incoming.size // B
         terms = [codec.decode(incoming[i * B:(i + 1) * B], S, G, cd) for i in range(n_in)]
@@ -37,10 +38,10 @@ class NumpyKernels:
                 acc += t
             if residual is not None:
                 acc += codec.load_residuals(residual)
-        q, scale = codec.quantize_groups(acc, G, cd)
-        codec.write_wire(wire_out, q, scale, cd)
+        q, scale = codec.quantize_groups(acc, out.group, out.codec)
+        codec.write_wire(wire_out, q, scale, out.codec)
         if residual is not None:
-            ref = codec.dequantize_groups(q, scale, G)
+            ref = codec.dequantize_groups(q, scale, out.group)
             with np.errstate(over="ignore", invalid="ignore"):
                 if rot and (base is not None or np.dtype(ref_dtype) != _F32):
                     ref = codec.unrotate(ref)        # what the output holds, then rotated back

@@ -51,6 +51,8 @@ def codecs() -> dict:
         # at most 8 bits an element (issue 13's accuracy mode): wider codes, or a 3-bit second round
         "int7 G32 H32": Codec("int7 G32 H32", R(32), [Q(32, levels=63)]),
         "int6 G32 H32": Codec("int6 G32 H32", R(32), [Q(32, levels=31)]),
+        "int4 G32 H32, sums int7 G16 m7": Codec("int4 G32 H32, sums int7 G16 m7", R(32), [Q(32)],
+                                                 Q(16, "m7", levels=63)),
         "int4 G32 H32, round 2 int7": Codec("int4 G32 H32, r2 int7", R(32), [Q(32), Q(32, levels=63)]),
         "int4 G32 H32, round 2 implicit int3": Codec("int4 G32 H32, r2 implicit int3", R(32),
                                                      [Q(32), Q(32, "implicit", levels=3, implicit_div=6.0)]),
@@ -98,6 +100,9 @@ VARIANTS = {
     "today x2 (r2 G128)": ("int4 G32 (today), round 2 G128", dict(rounds=2)),
     "H32 int7": ("int7 G32 H32", {}),
     "H32+flush int7": ("int4 G32 H32, round 2 int7", dict(flush=True)),
+    "H32 sums int7": ("int4 G32 H32, sums int7 G16 m7", {}),
+    "H32 sums int7+flush": ("int4 G32 H32, sums int7 G16 m7", dict(flush=True)),
+    "H32 sums int7 bf16-res": ("int4 G32 H32, sums int7 G16 m7", dict(residual_dtype="bf16")),
     "H32 int6": ("int6 G32 H32", {}),
     "H32 int6+flush": ("int6 G32 H32", dict(flush=True)),
     "H32 x2 (r2 implicit int3)": ("int4 G32 H32, round 2 implicit int3", dict(rounds=2)),

@@ -139,9 +139,13 @@ class Codec:
     name: str
     rotation: Rotation
     rounds: list = field(default_factory=lambda: [Quantizer()])
+    sums: Quantizer | None = None        # the owners' sums' quantizer (default: the round's)
 
     def quantizer(self, r: int) -> Quantizer:
         return self.rounds[min(r, len(self.rounds) - 1)]
+
+    def sum_quantizer(self, r: int) -> Quantizer:
+        return self.sums or self.quantizer(r)
 
     def bits(self, nrounds: int) -> float:
         return sum(self.quantizer(r).bits() for r in range(nrounds))
@@ -200,7 +204,7 @@ class SimTwoShot:
             own = xr if r == 0 else np.zeros_like(xr)
             terms = np.where(eye[:, :, None], own, d)            # the owner's own term exact
             acc = terms.sum(axis=0, dtype=_F32) + res_out
-            dq, s_out = qz.qdq(acc, prev_out)
+            dq, s_out = c.sum_quantizer(r).qdq(acc, prev_out)
             vals = c.rotation.inverse(dq)
             if out is None:
                 new = _round_to(vals, self.in_dtype)

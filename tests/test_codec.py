@@ -131,3 +131,21 @@ def test_layout_slices_cover_the_tensor():
         covered = sum(hi - lo for lo, hi in (L.bounds(s) for s in range(P)))
         assert covered == count
         assert L.slice_bytes % 16 == 0
+
+
+def test_mixed_layout_slices_contributions_and_sums_alike():
+    """``int4-h32/int7-h32``: contributions in int4-h32, the owners' sums in int7-h32, one slicing;
+    0.39 of a bf16 ring all-reduce's bytes (two-shot int4-h32 alone: 0.28)."""
+    assert codec.parts(codec.MIXED) == ("int4-h32", "int7-h32") and codec.parts("int4") == ("int4", "int4")
+    L = Layout(100_003, 4, codec.MIXED)
+    assert (L.codec, L.sum_codec, L.name, L.group) == ("int4-h32", "int7-h32", codec.MIXED, 32)
+    S = L.sums
+    assert (S.codec, S.name, S.group, S.slice_elems) == ("int7-h32", "int7-h32", 16, L.slice_elems)
+    assert (L.slice_bytes, S.slice_bytes) == (L.slice_elems * 9 // 16, L.slice_elems)
+    assert L.wire_bytes_per_rank == 3 * (L.slice_bytes + S.slice_bytes)
+    bf16_ring = 2 * 3 * L.slice_elems * 2
+    assert round(L.wire_bytes_per_rank / bf16_ring, 2) == 0.39
+    assert round(Layout(100_003, 4, "int4-h32").wire_bytes_per_rank / bf16_ring, 2) == 0.28
+    assert Layout(8, 2, "int4").sums is not None and Layout(8, 2, "int4").sums == Layout(8, 2, "int4")
+    with pytest.raises(ValueError):
+        Layout(8, 2, "int7-h32/int4-h32")

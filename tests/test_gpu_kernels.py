@@ -129,12 +129,14 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str):
 
 def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host, ref_dtype, case, base=None):
     """One reduce_quantize on both engines from identical inputs; compare; return the new residuals.
-    ``base``: None, or (host array, offset) for the refinement rounds' owner base."""
-    B = layout.slice_bytes
+    ``base``: None, or (host array, offset) for the refinement rounds' owner base. The output is in
+    the sums' codec (`Layout.sums`): a mixed codec's owner, otherwise the layout's own."""
+    sums = layout.sums
+    B = sums.slice_bytes
     wire_np = np.full(B, 0xAB, dtype=np.uint8)
     res_np = None if residual_host is None else residual_host.copy()
     NK.reduce_quantize(layout, incoming, own_pos, own_host, res_np, wire_np, ref_dtype,
-                       None if base is None else base[0])
+                       None if base is None else base[0], out_layout=sums)
 
     big = np.zeros(own_host.size + own_offset + 3, dtype=own_host.dtype)
     big[own_offset:own_offset + own_host.size] = own_host
@@ -146,7 +148,7 @@ def run_both(ck, layout, incoming, own_pos, own_host, own_offset, residual_host,
     if base is not None:
         b_host, b_off = base
         base_d = to_dev(np.concatenate([np.zeros(b_off, b_host.dtype), b_host]))[b_off:]
-    ck.reduce_quantize(layout, inc_d, own_pos, own_d, res_d, wire_d, ref_dtype, base_d)
+    ck.reduce_quantize(layout, inc_d, own_pos, own_d, res_d, wire_d, ref_dtype, base_d, out_layout=sums)
     cupy.cuda.get_current_stream().synchronize()
 
     assert_same_bits(to_host(wire_d), wire_np, f"wire {case}")
@@ -210,7 +212,7 @@ def tie_slices(rng, layout: Layout) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dt", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("cd,group", [(c, g) for c, g in CODEC_GROUPS if codec.bf16_scales(c)])
+@pytest.mark.parametrize("cd,group", [(c, codec.group_size(c)) for c in codec.WIRE_CODECS if codec.bf16_scales(c)])
 def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
     """8-bit scales make exact ties of the quotient v / scale common (reduce_quantize.cuh's
     quantize_values takes its exact path for them): exact ties, quotients about 2^-20 and 2^-24
@@ -398,10 +400,11 @@ def test_large_slice_grid_stride(cd, grid):
     residual = (rng.standard_normal(big_s) * 0.01).astype(np.float32)
     _, wire = run_both(ck1, layout, incoming, 2, own, 0, residual, dtype, f"large {cd} bf16 G=64")
     out_np = np.zeros(big_s * 4 - 100, dtype=dtype)
-    gather = np.concatenate([incoming, wire])
-    NK.dequantize(layout, gather, out_np)
+    sums = layout.sums                   # a mixed codec's owner wrote int7-h32: gather four of it
+    gather = np.concatenate([incoming, wire]) if sums is layout else np.tile(wire, 4)
+    NK.dequantize(sums, gather, out_np)
     out_d = cupy.zeros(out_np.size, dtype=dtype)
-    ck1.dequantize(layout, to_dev(gather), out_d)
+    ck1.dequantize(sums, to_dev(gather), out_d)
     assert_same_bits(to_host(out_d), out_np, "large dequantize")
 
 
@@ -518,6 +521,11 @@ def test_argument_checks(ck):
         ck.reduce_quantize(layout, None, 0, own[:S], res[:S].astype(np.float16).view(BF16), wire[:B], F16)
     with pytest.raises(ValueError):
         ck.dequantize(layout, wire[:B], cupy.zeros(S + 1, dtype=F16))               # wire too short
+    mixed = Layout(S, 1, codec.MIXED)
+    with pytest.raises(ValueError):     # the owner's int7-h32 sum needs more bytes than a contribution
+        ck.reduce_quantize(mixed, None, 0, own[:S], None, wire[:mixed.slice_bytes], "float32", out_layout=mixed.sums)
+    with pytest.raises(ValueError):     # no kernel writes int4 from int4-h32 contributions
+        ck.reduce_quantize(mixed, None, 0, own[:S], None, wire, "float32", out_layout=Layout(S, 1, "int4"))
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])

@@ -15,14 +15,21 @@ from echonccl import kernel_table as kt
 
 def test_table_counts_and_names():
     fam = Counter(k.family for k in kt.ALL)
-    # per codec: reduce_quantize for (input, residual, reference) = 2 x 3 x 2 + 2; dequantize and its
-    # sum of parts per output type; the fused two-shot per (input, residual) and for 16-bit data with
-    # the float32 owner reference, the quantized one-shot per (input, residual), each for any and for
-    # whole slices; the one-shots per type
-    assert fam == {"reduce_quantize": 3 * 14, "dequantize": 3 * 3, "dequantize_sum": 3 * 3,
-                   "two_shot": 3 * (8 + 6) * 2, "one_shot_q": 3 * 8 * 2, "one_shot": 3, "one_shot_ll": 3}
-    assert len(kt.ALL) == len(kt.BY_NAME) == 198
-    assert len(kt.PREBUILT) == 70 and {k.codec for k in kt.PREBUILT} == {"", "int4-h32"}
+    # per wire codec: reduce_quantize for (input, residual, reference) = 2 x 3 x 2 + 2; dequantize and
+    # its sum of parts per output type; the fused two-shot per (input, residual) and for 16-bit data
+    # with the float32 owner reference, the quantized one-shot per (input, residual), each for any and
+    # for whole slices; per pair, its owner's reduce_quantize and fused two-shot; the one-shots per type
+    assert fam == {"reduce_quantize": 4 * 14, "dequantize": 3 * 3, "dequantize_sum": 3 * 3,
+                   "two_shot": 4 * (8 + 6) * 2, "one_shot_q": 3 * 8 * 2, "one_shot": 3, "one_shot_ll": 3}
+    assert len(kt.ALL) == len(kt.BY_NAME) == 240
+    assert {k.codec for k in kt.ALL} == {"", *codec.CODECS}
+    assert set(kt.PREBUILT) == {k for k in kt.ALL if k.codec == ""} | set(kt.kernels_of(codec.DEFAULT_CODEC))
+    assert len(kt.kernels_of("int4-h32")) == 64 and len(kt.kernels_of("int4")) == 64
+    mixed = kt.kernels_of(codec.MIXED)      # int4-h32's, the pair's own, int7-h32's decodes
+    assert len(mixed) == 64 + 42 + 6 and {k.codec for k in mixed} == {"int4-h32", codec.MIXED, "int7-h32"}
+    assert kt.Kernel("two_shot", "bf16", codec.MIXED, "i8").name == "echo_two_shot_bf16_resi8_int4_h32_int7_h32"
+    assert "ECHO_RQ_KERNEL(echo_reduce_quantize_f16_resf16_reff32_int4_h32_int7_h32, f16, f16, f32, 16, 2, 32, 1)" \
+        == kt.Kernel("reduce_quantize", "f16", codec.MIXED, "f16", "f32").line()
     assert kt.lookup("echo_two_shot_bf16_resbf16_int4_h32_whole") == kt.Kernel("two_shot", "bf16", "int4-h32",
                                                                               "bf16", whole=True)
     assert kt.Kernel("two_shot", "f16", "int7-h32", "i8", "f32").name == "echo_two_shot_f16_resi8_int7_h32_ref32"
@@ -35,8 +42,9 @@ def test_table_counts_and_names():
 
 
 def test_table_agrees_with_the_codec():
-    assert set(kt.CODECS) == set(codec.CODECS) and kt.DEFAULT_CODEC == codec.DEFAULT_CODEC
-    assert all(kt.CODECS[c][1] == codec.group_size(c) for c in codec.CODECS)
+    assert set(kt.CODECS) == set(codec.WIRE_CODECS) and kt.DEFAULT_CODEC == codec.DEFAULT_CODEC
+    assert set(kt.PAIRS) == set(codec.CODECS) - set(codec.WIRE_CODECS)
+    assert all(kt.CODECS[c][1] == codec.group_size(c) for c in codec.WIRE_CODECS)
     wire = (kt.source_dir() / "codec_wire.cuh").read_text()
     ids = dict(re.findall(r"(kInt\w+) = (\d)", wire))
     assert ids == {"kInt4": "0", "kInt4H32": "1", "kInt7H32": "2"}

@@ -27,7 +27,7 @@ from echonccl.communicator import Workspace
 from echonccl.feedback import Feedback
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
-from echonccl.schedules import SCHEDULES, gather_slices, run_rounds
+from echonccl.schedules import SCHEDULES, gather_slots, run_rounds
 from echonccl.transport import gather_transfers
 
 import support
@@ -168,9 +168,9 @@ def simulate(algo: str, xs: list[np.ndarray], group: int, states=None, rounds: i
 
     def rank(r):
         B = layout.slice_bytes
-        n_gather = gather_slices(algo, P) or P
+        n_gather, Bg = gather_slots(algo, layout)
         ws = Workspace(np.empty((P - 1) * B, np.uint8), np.empty((P - 1) * B, np.uint8),
-                       np.empty(n_gather * B, np.uint8))
+                       np.empty(n_gather * Bg, np.uint8))
         run_rounds(SCHEDULES[algo], NumpyKernels(), ThreadTransport(hub, r, P), layout, xs[r], outs[r],
                    None if states is None else states[r], ws, rounds)
 

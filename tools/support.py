@@ -39,10 +39,15 @@ def readme_bound(amax_sum, algo: str, nranks: int, codec_name: str = "int4"):
     per quantizing hop (two-shot: 2; one_shot_q: 1; ring: one per rank), ``amax_sum`` being the first sum and
     L the codes' largest magnitude (7; int7-h32: 63, its groups' max taken over their block).
     The sum's group max is at most ``amax_sum`` grown by 1/L per hop: (1 + 1/L)^P covers it.
-    The rotated codecs' is 32 times that (`codec_factor`)."""
+    The rotated codecs' is 32 times that (`codec_factor`). A pair of codecs (`codec.MIXED`):
+    the last hop, the owner's sum, at the sums' L."""
     hops = 1 if algo in ONE_HOP else 2 if algo in TWO_HOP else nranks
-    levels = 63 if codec.wide(codec_name) else 7
-    return codec_factor(codec_name) * hops * (1 + 1 / levels) ** nranks * np.asarray(amax_sum) / (2 * levels)
+    first, last = (63 if codec.wide(c) else 7 for c in codec.parts(codec_name))
+    if algo in ONE_HOP:
+        last = first
+    per_hop = [first] * (hops - 1) + [last]
+    grown = (1 + 1 / min(first, last)) ** nranks
+    return codec_factor(codec_name) * grown * np.asarray(amax_sum) * sum(1 / (2 * lv) for lv in per_hop)
 
 
 def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str = "int4"):
@@ -50,7 +55,7 @@ def error_bound(exact, amax_sum, algo: str, nranks: int, dtype, codec_name: str 
     smallest scale (float32's smallest subnormal; the rotated codecs': bfloat16's, 2^-133) and the
     output dtype's smallest subnormal (groups below ~1e-44 can clip to +-L)."""
     tiny = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).smallest_subnormal)
-    smallest_scale = 2.0 ** -133 if codec.bf16_scales(codec_name) else 2.0 ** -149
+    smallest_scale = 2.0 ** -133 if codec.bf16_scales(codec.parts(codec_name)[0]) else 2.0 ** -149
     return (readme_bound(amax_sum, algo, nranks, codec_name) + np.abs(exact) * 2.0 ** -7
             + 8 * (nranks + 1) * codec_factor(codec_name) * (smallest_scale + tiny))
 

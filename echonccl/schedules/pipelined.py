@@ -36,40 +36,38 @@ def chunk_count(slice_elems: int) -> int:
 def two_shot_pipelined(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     """`two_shot` in K chunks (see the module docstring); K = 1 is `two_shot` itself.
 
-    ``ws.gather`` holds chunk ``j``'s P slots (owner ``s`` in slot ``s``) at
-    ``j * P * Bc``, gathered by one `Transport.start_all_gather` per chunk and
-    decoded as soon as it is there; with two ranks the chunk's contributions
-    travel the same way first. With more, ``ws.peers_out``/``ws.peers_in`` hold
-    chunk ``j``'s P-1 peer slots at ``j * (P - 1) * Bc``.
+    ``ws.gather`` holds chunk ``j``'s P slots of sums (owner ``s`` in slot ``s``) at
+    ``j * P * Bs``, gathered by one `Transport.start_all_gather` per chunk and
+    decoded as soon as it is there; with two ranks and one codec the chunk's
+    contributions travel the same way first. Otherwise ``ws.peers_out``/``ws.peers_in``
+    hold chunk ``j``'s P-1 peer slots at ``j * (P - 1) * Bc``.
     """
     K = chunk_count(layout.slice_elems)
     if K == 1:
         return two_shot(k, t, layout, x, out, state, ws, accumulate)
     r, P = t.rank, t.size
     C = layout.slice_elems // K
-    V = Layout(layout.count, P * K, layout.codec, quantum=C)
-    Bc = V.slice_bytes
+    V = Layout(layout.count, P * K, layout.name, quantum=C)
+    Vs = V.sums
+    Bc, Bs = V.slice_bytes, Vs.slice_bytes     # a chunk's slice of contributions, of sums
 
-    def chunk(buf, j, n):          # chunk j's n slots of buf
-        return buf[j * n * Bc:(j + 1) * n * Bc]
+    def chunk(buf, j, n, b=Bc):    # chunk j's n slots of b bytes in buf
+        return buf[j * n * b:(j + 1) * n * b]
 
-    def slot(buf, i):
-        return buf[i * Bc:(i + 1) * Bc]
-
-    sent = [_contribute(k, t, V, x, state, chunk(ws.gather, j, P), chunk(ws.peers_out, j, P - 1),
+    sent = [_contribute(k, t, V, x, state, chunk(ws.gather, j, P, Bs), chunk(ws.peers_out, j, P - 1),
                         chunk(ws.peers_in, j, P - 1), first=j, stride=K, start=True) for j in range(K)]
     gathered = []
     for j, (incoming, handle) in enumerate(sent):
         t.wait(handle)
-        gather = chunk(ws.gather, j, P)
+        gather = chunk(ws.gather, j, P, Bs)
         lo, hi = V.bounds(r * K + j)
         e_out = None if state is None else residual_span(state.output, j * C, (j + 1) * C)
         k.reduce_quantize(V, incoming=incoming, own_pos=r, own=x[lo:hi], residual=e_out,
-                          wire_out=slot(gather, r), ref_dtype=_owner_ref(state, out, accumulate),
-                          base=out[lo:hi] if accumulate else None)
-        gathered.append(t.start_all_gather(gather, Bc))
+                          wire_out=gather[Vs.wire_slot(r)], ref_dtype=_owner_ref(state, out, accumulate),
+                          base=out[lo:hi] if accumulate else None, out_layout=Vs)
+        gathered.append(t.start_all_gather(gather, Bs))
     for j in range(K):
         t.wait(gathered[j])
         for s in range(P):
             lo, hi = V.bounds(s * K + j)
-            k.dequantize(V, slot(chunk(ws.gather, j, P), s), out[lo:hi], accumulate)
+            k.dequantize(Vs, chunk(ws.gather, j, P, Bs)[Vs.wire_slot(s)], out[lo:hi], accumulate)

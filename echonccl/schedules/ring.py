@@ -13,9 +13,10 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
     owners' codes unchanged, so every rank decodes the same bytes.
 
     Uses slot 0 of ``ws.peers_out`` / ``ws.peers_in`` as the hop buffers and
-    ``ws.gather`` (P slots).
+    ``ws.gather`` (P slots); hops travel in ``layout``'s codec, the owners' sums in
+    ``layout.sums``'.
     """
-    r, P, L = t.rank, t.size, layout
+    r, P, L, Ls = t.rank, t.size, layout, layout.sums
     right, left = (r + 1) % P, (r - 1) % P
     slot = L.wire_slot
     send, recv = ws.peers_out[slot(0)], ws.peers_in[slot(0)]
@@ -32,8 +33,9 @@ def ring(k, t, layout, x, out, state, ws, accumulate: bool = False) -> None:
                               wire_out=send, ref_dtype="float32")
         else:                            # the owner: its output residual, quantized once more
             k.reduce_quantize(L, incoming=recv, own_pos=1, own=x[lo:hi],
-                              residual=None if state is None else state.output, wire_out=ws.gather[slot(r)],
-                              ref_dtype=_owner_ref(state, out, accumulate), base=out[lo:hi] if accumulate else None)
+                              residual=None if state is None else state.output, wire_out=ws.gather[Ls.wire_slot(r)],
+                              ref_dtype=_owner_ref(state, out, accumulate), base=out[lo:hi] if accumulate else None,
+                              out_layout=Ls)
 
-    t.all_gather(ws.gather, L.slice_bytes)
-    k.dequantize(L, ws.gather, out, accumulate)
+    t.all_gather(ws.gather, Ls.slice_bytes)
+    k.dequantize(Ls, ws.gather, out, accumulate)
