@@ -513,3 +513,102 @@ def test_table_with_both_nccl_columns(sym_us):
     assert cells.count("n/a") == (0 if sym_us else 6)
     assert cells[-4] == ("0.62" if sym_us else "1.25")          # ring's speedup vs NCCL_sym / vs NCCL
 
+
+def _stub_engine(lib, name="gpu"):
+    """A GPU engine as `all_reduce.variants` sees it: a baseline name, an `NcclComm` (around a
+    made-up handle) and a one-rank allgather."""
+    ncomm = nccl.NcclComm.__new__(nccl.NcclComm)
+    ncomm.lib, ncomm._handle, ncomm._aborted = lib, ctypes.c_void_p(0x1234), False
+    return SimpleNamespace(name=name, baseline_name="NCCL", nccl=ncomm, allgather_object=lambda obj: [obj])
+
+
+def test_nccl_sym_variant_on_an_old_nccl_and_its_options(monkeypatch):
+    lib = nccl.load()
+    monkeypatch.setattr(nccl.NcclLibrary, "version_code", lambda self: 22605)
+    comm = SimpleNamespace(engine=_stub_engine(lib))
+    parse = lambda *a: options.parse_options(["-b", "1K", "-e", "1K", *a], "t", "all_reduce", 0)  # noqa: E731
+    found = all_reduce.variants(comm, parse())
+    assert [(v.label, v.baseline) for v in found] == [
+        ("NCCL", True), ("NCCL_sym", True), ("two_shot", False), ("ring", False)]
+    sym = found[1]
+    assert sym.unavailable == ("NCCL 2.26.5 has no symmetric windows (ncclCommWindowRegister: NCCL 2.27 "
+                               "or newer)")
+    assert sym.memory is not None and sym.note == all_reduce.SYMMETRIC_NOTE
+    assert check.speedup_baseline(found) == "NCCL"
+    assert [v.label for v in all_reduce.variants(comm, parse("--no-nccl-sym"))] == ["NCCL", "two_shot", "ring"]
+    assert [v.label for v in all_reduce.variants(comm, parse("--no-baseline"))] == ["two_shot", "ring"]
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
+def test_nccl_sym_variant_falls_back_when_nccl_refuses():
+    """NCCL >= 2.27 without a GPU: ncclMemAlloc fails, NCCL's own message is the reason (n/a)."""
+    lib = nccl.load()
+    if not lib.supports_windows():
+        pytest.skip("the installed NCCL is older than 2.27")
+    comm = SimpleNamespace(engine=_stub_engine(lib))
+    found = all_reduce.variants(comm, options.parse_options(["--algo", "ring"], "t", "all_reduce", 0))
+    assert [v.label for v in found] == ["NCCL", "NCCL_sym", "ring"]
+    assert found[1].unavailable.startswith("NCCL refused a symmetric window: nccl")
+    assert "ncclMemAlloc failed" in found[1].unavailable
+
+
+def _window_fakes(win=0xE0):
+    """Stand-ins of cupy (what `arrays.NcclWindow` uses of it) and of an `NcclComm`, and the log
+    of their calls."""
+    log: list = []
+
+    class Ptr:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+        def copy_from_device_async(self, src, size, stream=None):
+            log.append(("copy", self.ptr, src.ptr, size, stream))
+
+    cuda = SimpleNamespace(UnownedMemory=lambda ptr, size, owner, dev: SimpleNamespace(ptr=ptr, size=size, dev=dev),
+                           MemoryPointer=Ptr, Device=lambda: SimpleNamespace(id=3),
+                           runtime=SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",))))
+    cp = SimpleNamespace(cuda=cuda, ndarray=lambda shape, dtype, memptr: SimpleNamespace(shape=shape, dtype=dtype,
+                                                                                         data=memptr))
+
+    def register(ptr, size, symmetric=True):
+        log.append(("register", ptr, size, symmetric))
+        if isinstance(win, Exception):
+            raise win
+        return win
+
+    lib = SimpleNamespace(mem_alloc=lambda n: log.append(("alloc", n)) or 0x100000,
+                          mem_free=lambda p: log.append(("free", p)))
+    ncomm = SimpleNamespace(lib=lib, register_window=register,
+                            deregister_window=lambda w: log.append(("deregister", w)))
+    return cp, ncomm, log
+
+
+def test_nccl_window_layout_copies_and_cleanup():
+    """One ncclMemAlloc for the inputs and the output, each at a 4096-byte boundary (offsets that
+    depend on the sizes only: the same on every rank), one symmetric registration of all of it,
+    the inputs copied on the current stream; close: synchronize, deregister, then free, once."""
+    cp, ncomm, log = _window_fakes()
+    out = SimpleNamespace(nbytes=6000, shape=(3000,), dtype=np.float16)
+    bufs = [SimpleNamespace(data=SimpleNamespace(ptr=0x9000 * (i + 1)), nbytes=6000) for i in range(3)]
+    w = arrays.NcclWindow(cp, ncomm, bufs, out)
+    size = 4 * 8192
+    assert log[:2] == [("alloc", size), ("register", 0x100000, size, True)]
+    assert [b.data.ptr for b in w.bufs] == [0x100000, 0x100000 + 8192, 0x100000 + 2 * 8192]
+    assert w.out.data.ptr == 0x100000 + 3 * 8192 and w.out.shape == (3000,) and w.out.dtype == np.float16
+    assert log[2:] == [("copy", 0x100000 + i * 8192, 0x9000 * (i + 1), 6000, None) for i in range(3)]
+    assert w.out.data.mem.dev == 3 and w.out.data.mem.size == size
+    del log[:]
+    w.close()
+    w.close()
+    assert log == [("sync",), ("deregister", 0xE0), ("free", 0x100000)] and w.bufs == []
+
+
+@pytest.mark.parametrize("answer", [None, nccl.NcclError(5, "ncclInvalidUsage", "no")])
+def test_nccl_window_frees_what_nccl_did_not_register(answer):
+    from echonccl.errors import EchoncclError
+
+    cp, ncomm, log = _window_fakes(win=answer)
+    out = SimpleNamespace(nbytes=10, shape=(5,), dtype=np.float16)
+    with pytest.raises(EchoncclError, match="no" if answer else "registered no window"):
+        arrays.NcclWindow(cp, ncomm, [out], out)
+    assert log == [("alloc", 8192), ("register", 0x100000, 8192, True), ("free", 0x100000)]
