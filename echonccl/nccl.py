@@ -5,7 +5,10 @@ error if it does not exist), then the ``nvidia-nccl-cu13`` and
 ``nvidia-nccl-cu12`` wheels, then the system's ``libnccl.so.2``.
 
 Versions: NCCL >= `MIN_VERSION` (2.19, the oldest with every entry point of
-`SIGNATURES`) is accepted; 2.28 and newer is what is tested.
+`SIGNATURES` but the windows') is accepted; 2.28 and newer is what is tested.
+Registered windows (`NcclComm.register_window`, symmetric memory) need
+`WINDOW_VERSION` (2.27): `NcclLibrary.supports_windows` says whether the
+loaded library has them, and the calls raise `EchoncclError` where it does not.
 
 Contracts: pointers (device buffers) and streams are plain Python ints (a
 ``cudaStream_t``; 0 is the legacy default stream); the caller owns the
@@ -43,6 +46,12 @@ ncclUint8, ncclSum = DTYPES["uint8"], 0
 
 NCCL_CONFIG_UNDEF_INT = -(2 ** 31)  # INT_MIN
 NCCL_API_MAGIC = 0xCAFEBEEF
+
+# Window registration (nccl.h, 2.27+): winFlags, and the alignment of a window's start
+# within its allocation (ncclMemAlloc's pointers have it).
+WINDOW_VERSION = (2, 27, 0)
+NCCL_WIN_DEFAULT, NCCL_WIN_COLL_SYMMETRIC = 0x00, 0x01
+NCCL_WIN_REQUIRED_ALIGNMENT = 4096
 
 
 def version_code(major: int, minor: int, patch: int) -> int:
@@ -109,6 +118,7 @@ class ncclConfig_t(ctypes.Structure):
 
 ncclResult_t = c_int
 ncclComm_t = c_void_p
+ncclWindow_t = c_void_p
 cudaStream_t = c_void_p
 
 # The one table of the C signatures used: (name, restype, argtypes).
@@ -132,6 +142,11 @@ SIGNATURES: tuple[tuple[str, Any, list], ...] = (
     ("ncclAllGather", ncclResult_t, [c_void_p, c_void_p, c_size_t, c_int, ncclComm_t, cudaStream_t]),
     ("ncclCommCount", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
     ("ncclCommUserRank", ncclResult_t, [ncclComm_t, POINTER(c_int)]),
+    ("ncclMemAlloc", ncclResult_t, [POINTER(c_void_p), c_size_t]),
+    ("ncclMemFree", ncclResult_t, [c_void_p]),
+    # 2.27+ (WINDOW_VERSION)
+    ("ncclCommWindowRegister", ncclResult_t, [ncclComm_t, c_void_p, c_size_t, POINTER(ncclWindow_t), c_int]),
+    ("ncclCommWindowDeregister", ncclResult_t, [ncclComm_t, ncclWindow_t]),
 )
 _SIGNATURES = {name: (res, args) for name, res, args in SIGNATURES}
 
@@ -282,6 +297,31 @@ class NcclLibrary:
         self.call("ncclGetUniqueId", ctypes.byref(uid))
         return bytes(uid)
 
+    # -- memory for windows ----------------------------------------------------------------------
+    def supports_windows(self) -> bool:
+        """This library has ncclCommWindowRegister (NCCL >= `WINDOW_VERSION`)."""
+        return self.version() >= WINDOW_VERSION
+
+    def require_windows(self) -> None:
+        """Raise `EchoncclError` unless `supports_windows`."""
+        if not self.supports_windows():
+            raise EchoncclError(
+                f"NCCL {'.'.join(map(str, self.version()))} at {self.path} has no registered windows "
+                f"(ncclCommWindowRegister, symmetric memory): they need NCCL "
+                f"{'.'.join(map(str, WINDOW_VERSION))} or newer")
+
+    def mem_alloc(self, nbytes: int) -> int:
+        """ncclMemAlloc: ``nbytes`` of device memory on the current CUDA device (CUDA VMM memory
+        where NCCL can, which windows need), its address. Free it with `mem_free`."""
+        ptr = c_void_p()
+        self.call("ncclMemAlloc", ctypes.byref(ptr), int(nbytes))
+        return int(ptr.value or 0)
+
+    def mem_free(self, ptr: int) -> None:
+        """ncclMemFree of a `mem_alloc` pointer: after every window on it is deregistered and
+        the work that uses it has finished."""
+        self.call("ncclMemFree", c_void_p(ptr))
+
 
 def result_name(code: int) -> str:
     return RESULT_NAMES.get(code, f"ncclResult{code}")
@@ -372,6 +412,31 @@ class NcclComm:
             if code:
                 check(code, "ncclAllReduce", handle)
         return run
+
+    # -- registered windows (NCCL >= 2.27) ----------------------------------------------------------
+    def register_window(self, ptr: int, nbytes: int, symmetric: bool = True) -> int | None:
+        """ncclCommWindowRegister: collective (every rank, the same ``nbytes``). ``ptr``: memory
+        from `NcclLibrary.mem_alloc` (aligned to NCCL_WIN_REQUIRED_ALIGNMENT within it);
+        ``symmetric``: NCCL_WIN_COLL_SYMMETRIC, which lets collectives whose buffers lie at the
+        same offset of the window on every rank run NCCL's symmetric kernels.
+
+        Returns the ``ncclWindow_t`` (an int), or None when NCCL registered nothing: it returns
+        success with a NULL window where the communicator has no symmetric memory (CUMEM off,
+        ``NCCL_WIN_ENABLE=0``, ranks without CUDA P2P). `EchoncclError` on NCCL < 2.27.
+        Deregister it (`deregister_window`) before freeing the memory or destroying this."""
+        self.lib.require_windows()
+        win = c_void_p()
+        flags = NCCL_WIN_COLL_SYMMETRIC if symmetric else NCCL_WIN_DEFAULT
+        self.lib.call("ncclCommWindowRegister", self._live(), c_void_p(ptr), int(nbytes), ctypes.byref(win),
+                      flags, comm=self._handle)
+        return win.value or None
+
+    def deregister_window(self, win: int | None) -> None:
+        """ncclCommWindowDeregister of a `register_window` handle (every rank; None: nothing).
+        The work on the window must have finished."""
+        if win is not None:
+            self.lib.require_windows()
+            self.lib.call("ncclCommWindowDeregister", self._live(), c_void_p(win), comm=self._handle)
 
     def group_start(self) -> None:
         code = self._gstart()

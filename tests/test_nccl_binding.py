@@ -245,3 +245,93 @@ def test_comm_init_without_gpu_raises(lib, with_config):
     err = info.value
     assert err.code != 0 and err.name in nccl.RESULT_NAMES.values()
     assert "ncclCommInitRank" in err.message
+
+
+# -- registered windows (NCCL >= 2.27) and ncclMemAlloc -------------------------------------------
+def test_window_signatures(lib):
+    sig = {name: (res, args) for name, res, args in nccl.SIGNATURES}
+    P = ctypes.POINTER
+    assert sig["ncclMemAlloc"] == (ctypes.c_int, [P(ctypes.c_void_p), ctypes.c_size_t])
+    assert sig["ncclMemFree"] == (ctypes.c_int, [ctypes.c_void_p])
+    assert sig["ncclCommWindowRegister"] == (
+        ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, P(ctypes.c_void_p), ctypes.c_int])
+    assert sig["ncclCommWindowDeregister"] == (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p])
+    for name in sig:
+        if name.startswith(("ncclMem", "ncclCommWindow")):
+            f = lib.fn(name)
+            assert (f.restype, f.argtypes) == sig[name]
+
+
+def test_window_flags_match_the_header():
+    text = _header().read_text()
+    for name in ("NCCL_WIN_DEFAULT", "NCCL_WIN_COLL_SYMMETRIC", "NCCL_WIN_REQUIRED_ALIGNMENT"):
+        m = re.search(rf"#define {name}\s+(0x[0-9a-fA-F]+|\d+)", text)
+        assert m, f"{name} not in {_header()}"
+        assert int(m.group(1), 0) == getattr(nccl, name), name
+    assert nccl.NCCL_WIN_COLL_SYMMETRIC == 1 and nccl.NCCL_WIN_DEFAULT == 0
+    for name in ("ncclMemAlloc(void** ptr, size_t size)", "ncclMemFree(void *ptr)",
+                 "ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags)",
+                 "ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win)"):
+        assert name in text, name
+
+
+def _shell_comm(lib) -> nccl.NcclComm:
+    """An `NcclComm` around a made-up handle: for calls that must fail before reaching NCCL, or
+    that reach a stand-in of the NCCL function."""
+    comm = nccl.NcclComm.__new__(nccl.NcclComm)
+    comm.lib, comm._handle, comm._aborted = lib, ctypes.c_void_p(0x1234), False
+    return comm
+
+
+@pytest.mark.parametrize("code,supported", [(22605, False), (22700, True), (22809, True), (23203, True)])
+def test_windows_need_nccl_2_27(monkeypatch, lib, code, supported):
+    monkeypatch.setattr(nccl.NcclLibrary, "version_code", lambda self: code)
+    assert lib.supports_windows() is supported
+    if supported:
+        lib.require_windows()
+        return
+    with pytest.raises(EchoncclError) as info:
+        lib.require_windows()
+    msg = str(info.value)
+    assert "NCCL 2.26.5" in msg and lib.path in msg and "2.27.0 or newer" in msg and "ncclCommWindowRegister" in msg
+    comm = _shell_comm(lib)
+    with pytest.raises(EchoncclError, match="2.27.0 or newer"):
+        comm.register_window(0x1000, 4096)
+    with pytest.raises(EchoncclError, match="2.27.0 or newer"):
+        comm.deregister_window(0x5678)
+    comm.deregister_window(None)          # no window: nothing to do, on any version
+
+
+def test_register_window_flags_and_null_window(monkeypatch, lib):
+    """What register_window hands NCCL (the flag of ``symmetric``) and makes of its answer: a
+    window handle, or None for the NULL window NCCL returns without symmetric memory."""
+    calls = []
+
+    def fake_register(comm, buff, size, win, flags):
+        calls.append((comm, buff, size, flags))
+        ctypes.cast(win, ctypes.POINTER(ctypes.c_void_p))[0] = 0xABC0 if flags else None
+        return nccl.ncclSuccess
+
+    def fake_deregister(comm, win):
+        calls.append((comm, win))
+        return nccl.ncclSuccess
+
+    monkeypatch.setitem(lib._fns, "ncclCommWindowRegister", fake_register)
+    monkeypatch.setitem(lib._fns, "ncclCommWindowDeregister", fake_deregister)
+    comm = _shell_comm(lib)
+    assert comm.register_window(0x10000, 8192) == 0xABC0
+    assert comm.register_window(0x20000, 4096, symmetric=False) is None
+    assert [(c.value, b.value, n, f) for c, b, n, f in calls] == [
+        (0x1234, 0x10000, 8192, nccl.NCCL_WIN_COLL_SYMMETRIC), (0x1234, 0x20000, 4096, nccl.NCCL_WIN_DEFAULT)]
+    comm.deregister_window(0xABC0)
+    assert (calls[-1][0].value, calls[-1][1].value) == (0x1234, 0xABC0)
+    comm._handle = None
+    with pytest.raises(EchoncclError, match="destroyed"):
+        comm.register_window(0x10000, 8192)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
+def test_mem_alloc_without_gpu_raises(lib):
+    with pytest.raises(nccl.NcclError) as info:
+        lib.mem_alloc(1 << 20)
+    assert info.value.code != 0 and "ncclMemAlloc failed" in info.value.message

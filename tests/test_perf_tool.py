@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import importlib.util
 import io
 import json
 import math
@@ -17,13 +19,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import launch
 from conftest import run_mpi
-from echonccl import dtypes
+from echonccl import dtypes, nccl
 from echonccl.perf import all_reduce, arrays, bench, check, options, report, table
 
 TIMEOUT = 300
@@ -86,8 +89,8 @@ def _check_report(tmp_path: Path, nranks: int) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("cpu") and f", {nranks} ranks, bfloat16, group " in lines[0]
     assert lines[0].endswith(", feedback on")
-    assert lines[2] == ("| size | MPI (us) | busbw (GB/s) | two_shot (us) | busbw | speedup | ring (us) | "
-                        "busbw | speedup | relerr | #wrong |")
+    assert lines[2] == ("| size | MPI (us) | busbw (GB/s) | two_shot (us) | busbw | speedup vs MPI | ring (us) | "
+                        "busbw | speedup vs MPI | relerr | #wrong |")
     assert [ln.split(" | ")[0] for ln in lines[4:]] == ["| 1 KiB", "| 4 KiB", "| 16 KiB", "| 64 KiB"]
     assert all(ln.endswith(" | 0 |") for ln in lines[4:])
     assert (tmp_path / "again.png").read_bytes()[:8] == PNG
@@ -342,8 +345,8 @@ def test_report_markdown(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[:4] == [
         "gpu (test), 4 ranks, bfloat16, group 32, feedback on", "",
-        "| size | NCCL (us) | busbw (GB/s) | two_shot (us) | busbw | speedup | ring (us) | busbw | speedup "
-        "| relerr | #wrong |",
+        "| size | NCCL (us) | busbw (GB/s) | two_shot (us) | busbw | speedup vs NCCL | ring (us) | busbw "
+        "| speedup vs NCCL | relerr | #wrong |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     assert lines[4] == "| 1 MiB | 10.0 | 157.3 | 20.0 | 78.6 | 0.50x | 5.0 | 314.6 | 2.00x | 0.120 | 3 |"
     assert lines[5] == ("| 1 GiB | 2000.0 | 805.3 | 4000.0 | 402.7 | 0.50x | 1000.0 | 1610.6 | 2.00x "
@@ -396,3 +399,216 @@ def test_algo_lists_and_unknown_names():
     assert options.algorithms("two_shot,two_shot_pipelined") == ("two_shot", "two_shot_pipelined")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown algorithm 'tree'"):
         options._algo_arg("two_shot,tree")
+
+
+# -- several baselines: one with memory of its own, one that cannot run (NCCL_sym's paths) ----------
+class _Copies:
+    """A stand-in of `arrays.NcclWindow` on the CPU engine: copies of the inputs, an output."""
+
+    log: list = []
+    current = None
+
+    def __init__(self, arrays_, bufs, out):
+        self.bufs, self.out = [b.copy() for b in bufs], np.empty_like(out)
+        _Copies.log.append(("open", len(bufs), out.size))
+        _Copies.current = self
+
+    def close(self) -> None:
+        _Copies.log.append(("close",))
+        self.bufs, self.out = [], None
+
+
+def test_baseline_on_its_own_memory_and_one_not_available(no_env_overrides, tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+
+    monkeypatch.chdir(tmp_path)
+    _Copies.log = []
+    seen = []
+
+    def own_call(comm):
+        def call(x, out, stream):
+            own = _Copies.current                  # checked and timed on its copies only
+            seen.append(any(x is b for b in own.bufs) and out is own.out)
+            comm.baseline_all_reduce(x, out, stream=stream)
+        return call
+
+    def with_baselines(comm, opts):
+        found = all_reduce.variants(comm, opts)
+        extra = [bench.Variant("gone", True, lambda: own_call(comm), unavailable="refused here"),
+                 bench.Variant("MPI_own", True, lambda: own_call(comm), memory=_Copies, note="MPI on copies")]
+        return found[:1] + extra + found[1:]
+
+    plot = ["--plot", "run.png"] if importlib.util.find_spec("matplotlib") else []
+    rc = bench.run(replace(all_reduce.ALL_REDUCE, variants=with_baselines),
+                   ["--engine", "cpu", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "1", "--algo", "two_shot",
+                    "--quiet", "-J", "run.json", "--csv", "run.csv", *plot])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert "# gone     : n/a: refused here" in lines and "# MPI_own  : MPI on copies" in lines
+    assert "# speedup  : MPI_own's time / each echonccl variant's" in lines
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("#") and "algbw" in ln)
+    labels, names, units = lines[i - 1:i + 2]
+    assert labels.split()[1:] == ["MPI", "gone", "MPI_own", "two_shot"]
+    assert units.split()[-2:] == ["vs", "MPI_own"] and "speedup" in names.split()
+    rows = _data_lines(out)
+    assert len(rows) == 3 and all(r.split().count("n/a") == 6 for r in rows)   # gone's six columns
+    assert all(len(r) == len(names) for r in rows)
+    assert "# Geomean speedup      : vs MPI_own: two_shot " in out and ";  vs MPI: two_shot " in out
+    # the copies: made, used and closed once per size
+    assert _Copies.log == [e for n in (512, 1024, 2048) for e in (("open", 8, n), ("close",))]
+    assert seen and all(seen)
+
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["baselines"] == ["MPI", "gone", "MPI_own"] and doc["speedup_baseline"] == "MPI_own"
+    assert doc["unavailable"] == {"gone": "refused here"} and doc["notes"] == {"MPI_own": "MPI on copies"}
+    for row in doc["results"]:
+        mpi, gone, own, mine = row["results"]
+        assert gone["time_us"] is None and gone["busbw"] is None and gone["wrong"] is None
+        assert own["time_us"] > 0 and own["wrong"] == 0 and own["speedups"] is None
+        assert set(mine["speedups"]) == {"MPI", "MPI_own"} and mine["speedup"] == mine["speedups"]["MPI_own"]
+        assert mine["speedups"]["MPI"] == pytest.approx(mpi["time_us"] / mine["time_us"])
+    summ = doc["summary"]
+    assert summ["avg_busbw"]["gone"] is None and summ["speedup_baseline"] == "MPI_own"
+    assert set(summ["geomean_speedups"]) == {"MPI", "MPI_own"}
+    assert summ["geomean_speedup"] == summ["geomean_speedups"]["MPI_own"]
+    with open(tmp_path / "run.csv", newline="") as f:
+        recs = list(csv.DictReader(f))
+    assert [r["speedup_vs"] for r in recs[:4]] == ["", "", "", "MPI_own"] and recs[1]["time_us"] == ""
+
+    assert report.main([str(tmp_path / "run.json")]) == 0
+    md = capsys.readouterr().out.splitlines()
+    assert md[2] == ("| size | MPI (us) | busbw (GB/s) | gone (us) | busbw (GB/s) | MPI_own (us) | busbw (GB/s) "
+                     "| two_shot (us) | busbw | speedup vs MPI_own | relerr | #wrong |")
+    assert md[4].startswith("| 1 KiB | ") and " | - | - | " in md[4]
+    if plot:
+        assert (tmp_path / "run.png").read_bytes()[:8] == PNG
+
+
+def _nccl_row(sym_us):
+    """One size as the GPU engine's table has it: NCCL, NCCL_sym (None: n/a), ring."""
+    sym = (check.Result("NCCL_sym", True, None, None, None) if sym_us is None else
+           check.Result("NCCL_sym", True, sym_us, 0.2, 0.2, None, 0.0, 0.0, 0))
+    base = 25.0 if sym_us is None else sym_us
+    return check.Row(4096, 2048, "bfloat16", 8, [
+        check.Result("NCCL", True, 25.0, 0.16, 0.16, None, 0.0, 0.0, 0), sym,
+        check.Result("ring", False, 20.0, 0.2, 0.2, base / 20.0, 0.1, 0.4, 0)])
+
+
+@pytest.mark.parametrize("sym_us", [12.5, None])
+def test_table_with_both_nccl_columns(sym_us):
+    """The speedup column's unit line names the baseline it divides by: NCCL_sym when it runs,
+    NCCL when it is n/a (then its six columns read n/a); every value ends under its name."""
+    variants = [bench.Variant("NCCL", True, None),
+                bench.Variant("NCCL_sym", True, None, unavailable=None if sym_us else "refused"),
+                bench.Variant("ring", False, None)]
+    header = table.table_header(variants)
+    line = table.table_row(_nccl_row(sym_us))
+    vs = "NCCL_sym" if sym_us else "NCCL"
+    assert header[2].split()[-2:] == ["vs", vs] and check.speedup_baseline(variants) == vs
+    assert len(line) == len(header[1])
+    ends = lambda s: [i for i in range(len(s)) if s[i] != " " and (i + 1 == len(s) or s[i + 1] == " ")]  # noqa
+    assert ends(line) == ends(" " + header[1][1:])
+    cells = line.split()
+    assert cells.count("n/a") == (0 if sym_us else 6)
+    assert cells[-4] == ("0.62" if sym_us else "1.25")          # ring's speedup vs NCCL_sym / vs NCCL
+
+
+def _stub_engine(lib, name="gpu"):
+    """A GPU engine as `all_reduce.variants` sees it: a baseline name, an `NcclComm` (around a
+    made-up handle) and a one-rank allgather."""
+    ncomm = nccl.NcclComm.__new__(nccl.NcclComm)
+    ncomm.lib, ncomm._handle, ncomm._aborted = lib, ctypes.c_void_p(0x1234), False
+    return SimpleNamespace(name=name, baseline_name="NCCL", nccl=ncomm, allgather_object=lambda obj: [obj])
+
+
+def test_nccl_sym_variant_on_an_old_nccl_and_its_options(monkeypatch):
+    lib = nccl.load()
+    monkeypatch.setattr(nccl.NcclLibrary, "version_code", lambda self: 22605)
+    comm = SimpleNamespace(engine=_stub_engine(lib))
+    parse = lambda *a: options.parse_options(["-b", "1K", "-e", "1K", *a], "t", "all_reduce", 0)  # noqa: E731
+    found = all_reduce.variants(comm, parse())
+    assert [(v.label, v.baseline) for v in found] == [
+        ("NCCL", True), ("NCCL_sym", True), ("two_shot", False), ("ring", False)]
+    sym = found[1]
+    assert sym.unavailable == ("NCCL 2.26.5 has no symmetric windows (ncclCommWindowRegister: NCCL 2.27 "
+                               "or newer)")
+    assert sym.memory is not None and sym.note == all_reduce.SYMMETRIC_NOTE
+    assert check.speedup_baseline(found) == "NCCL"
+    assert [v.label for v in all_reduce.variants(comm, parse("--no-nccl-sym"))] == ["NCCL", "two_shot", "ring"]
+    assert [v.label for v in all_reduce.variants(comm, parse("--no-baseline"))] == ["two_shot", "ring"]
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
+def test_nccl_sym_variant_falls_back_when_nccl_refuses():
+    """NCCL >= 2.27 without a GPU: ncclMemAlloc fails, NCCL's own message is the reason (n/a)."""
+    lib = nccl.load()
+    if not lib.supports_windows():
+        pytest.skip("the installed NCCL is older than 2.27")
+    comm = SimpleNamespace(engine=_stub_engine(lib))
+    found = all_reduce.variants(comm, options.parse_options(["--algo", "ring"], "t", "all_reduce", 0))
+    assert [v.label for v in found] == ["NCCL", "NCCL_sym", "ring"]
+    assert found[1].unavailable.startswith("NCCL refused a symmetric window: nccl")
+    assert "ncclMemAlloc failed" in found[1].unavailable
+
+
+def _window_fakes(win=0xE0):
+    """Stand-ins of cupy (what `arrays.NcclWindow` uses of it) and of an `NcclComm`, and the log
+    of their calls."""
+    log: list = []
+
+    class Ptr:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+        def copy_from_device_async(self, src, size, stream=None):
+            log.append(("copy", self.ptr, src.ptr, size, stream))
+
+    cuda = SimpleNamespace(UnownedMemory=lambda ptr, size, owner, dev: SimpleNamespace(ptr=ptr, size=size, dev=dev),
+                           MemoryPointer=Ptr, Device=lambda: SimpleNamespace(id=3),
+                           runtime=SimpleNamespace(deviceSynchronize=lambda: log.append(("sync",))))
+    cp = SimpleNamespace(cuda=cuda, ndarray=lambda shape, dtype, memptr: SimpleNamespace(shape=shape, dtype=dtype,
+                                                                                         data=memptr))
+
+    def register(ptr, size, symmetric=True):
+        log.append(("register", ptr, size, symmetric))
+        if isinstance(win, Exception):
+            raise win
+        return win
+
+    lib = SimpleNamespace(mem_alloc=lambda n: log.append(("alloc", n)) or 0x100000,
+                          mem_free=lambda p: log.append(("free", p)))
+    ncomm = SimpleNamespace(lib=lib, register_window=register,
+                            deregister_window=lambda w: log.append(("deregister", w)))
+    return cp, ncomm, log
+
+
+def test_nccl_window_layout_copies_and_cleanup():
+    """One ncclMemAlloc for the inputs and the output, each at a 4096-byte boundary (offsets that
+    depend on the sizes only: the same on every rank), one symmetric registration of all of it,
+    the inputs copied on the current stream; close: synchronize, deregister, then free, once."""
+    cp, ncomm, log = _window_fakes()
+    out = SimpleNamespace(nbytes=6000, shape=(3000,), dtype=np.float16)
+    bufs = [SimpleNamespace(data=SimpleNamespace(ptr=0x9000 * (i + 1)), nbytes=6000) for i in range(3)]
+    w = arrays.NcclWindow(cp, ncomm, bufs, out)
+    size = 4 * 8192
+    assert log[:2] == [("alloc", size), ("register", 0x100000, size, True)]
+    assert [b.data.ptr for b in w.bufs] == [0x100000, 0x100000 + 8192, 0x100000 + 2 * 8192]
+    assert w.out.data.ptr == 0x100000 + 3 * 8192 and w.out.shape == (3000,) and w.out.dtype == np.float16
+    assert log[2:] == [("copy", 0x100000 + i * 8192, 0x9000 * (i + 1), 6000, None) for i in range(3)]
+    assert w.out.data.mem.dev == 3 and w.out.data.mem.size == size
+    del log[:]
+    w.close()
+    w.close()
+    assert log == [("sync",), ("deregister", 0xE0), ("free", 0x100000)] and w.bufs == []
+
+
+@pytest.mark.parametrize("answer", [None, nccl.NcclError(5, "ncclInvalidUsage", "no")])
+def test_nccl_window_frees_what_nccl_did_not_register(answer):
+    from echonccl.errors import EchoncclError
+
+    cp, ncomm, log = _window_fakes(win=answer)
+    out = SimpleNamespace(nbytes=10, shape=(5,), dtype=np.float16)
+    with pytest.raises(EchoncclError, match="no" if answer else "registered no window"):
+        arrays.NcclWindow(cp, ncomm, [out], out)
+    assert log == [("alloc", 8192), ("register", 0x100000, 8192, True), ("free", 0x100000)]

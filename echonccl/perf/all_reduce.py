@@ -4,8 +4,13 @@
     mpirun -np 2 python -m echonccl.perf.all_reduce --engine cpu -b 1K -e 64K -f 4
 
 Variants: the baseline (``Communicator.baseline_all_reduce``: NCCL on GPU,
-MPI on CPU), then each algorithm of ``--algo`` (``Communicator.all_reduce``
-with its own `Feedback`, or ``feedback=False`` with ``--no-feedback``).
+MPI on CPU); on GPU, unless ``--no-nccl-sym``, the same call on buffers in
+a symmetric NCCL window (``NCCL_sym``: NCCL >= 2.27 runs its symmetric
+kernels there; `symmetric_problem` says why not where NCCL cannot, and the
+column reads n/a); then each algorithm of ``--algo``
+(``Communicator.all_reduce`` with its own `Feedback`, or ``feedback=False``
+with ``--no-feedback``). echonccl's speedups divide by NCCL_sym when it
+runs, else by the plain baseline.
 Reference: the exact float64 sum of every rank's input. Everything else is
 the shared driver, `echonccl.perf.bench`.
 """
@@ -21,6 +26,10 @@ from .bench import Collective, Variant, run
 from .check import chunks
 
 GATHER_LIMIT_BYTES = 64 << 20   # up to this many input bytes in all, rank 0 gathers the inputs
+SYMMETRIC = "NCCL_sym"          # the label of NCCL's all-reduce on symmetric windows
+SYMMETRIC_NOTE = ("NCCL's all-reduce on symmetric windows (buffers from ncclMemAlloc registered "
+                  "with NCCL_WIN_COLL_SYMMETRIC)")
+PROBE_BYTES = 1 << 16           # the window `symmetric_problem` registers
 
 
 def bus_factor(nranks: int) -> float:
@@ -42,11 +51,48 @@ def _echonccl(comm, algorithm: str, feedback: bool, residual: str = "float32", r
     return call
 
 
+def symmetric_problem(engine) -> Optional[str]:
+    """Collective over the GPU engine's ranks: why NCCL's all-reduce on symmetric windows cannot
+    run here (NCCL older than 2.27; NCCL refusing, or registering no window for, a small
+    symmetric window that this registers and frees), None when it can. The same on every rank."""
+    from ..nccl import NcclError
+
+    ncomm, lib = engine.nccl, engine.nccl.lib
+    if not lib.supports_windows():
+        return (f"NCCL {'.'.join(map(str, lib.version()))} has no symmetric windows "
+                "(ncclCommWindowRegister: NCCL 2.27 or newer)")
+    problem = None
+    try:
+        ptr = lib.mem_alloc(PROBE_BYTES)
+        try:
+            win = ncomm.register_window(ptr, PROBE_BYTES, symmetric=True)
+            ncomm.deregister_window(win)
+        finally:
+            lib.mem_free(ptr)
+        if win is None:
+            problem = ("NCCL registered no window: no symmetric memory on this communicator (CUMEM off, "
+                       "NCCL_WIN_ENABLE=0 or no CUDA P2P between the ranks; NCCL_DEBUG=INFO says which)")
+    except NcclError as exc:
+        problem = f"NCCL refused a symmetric window: {exc}"
+    return next((p for p in engine.allgather_object(problem) if p), None)
+
+
+def _symmetric_window(ncomm, arrays, bufs, out):
+    return arrays.nccl_window(ncomm, bufs, out)
+
+
 def variants(comm, opts) -> list:
-    """The baseline (unless ``--no-baseline``), then each echonccl algorithm of ``--algo``."""
+    """Collective. The baseline and, on the GPU engine, NCCL_sym (unless ``--no-baseline``; NCCL_sym
+    unless ``--no-nccl-sym``; n/a where `symmetric_problem` finds one), then each echonccl
+    algorithm of ``--algo``."""
     found = []
     if not opts.no_baseline:
         found.append(Variant(comm.engine.baseline_name, True, lambda: partial(_baseline, comm)))
+        ncomm = getattr(comm.engine, "nccl", None)
+        if ncomm is not None and not opts.no_nccl_sym:
+            found.append(Variant(SYMMETRIC, True, lambda: partial(_baseline, comm),
+                                 memory=partial(_symmetric_window, ncomm),
+                                 unavailable=symmetric_problem(comm.engine), note=SYMMETRIC_NOTE))
     for algo in opts.algorithms:
         found.append(Variant(algo, False, partial(_echonccl, comm, algo, not opts.no_feedback, opts.residual,
                                                   opts.rounds)))

@@ -7,6 +7,8 @@ Arrays live where the engine computes: numpy for the CPU engine
 engine is ``gpu``); `make_arrays` picks one. Both draw the inputs: fresh
 standard-normal values, none zero or subnormal, from a seed per (rank, size,
 buffer) (`seed_for`), in `buffer_count` buffers rotated across iterations.
+`NcclWindow` (``CudaArrays.nccl_window``) holds copies of them in NCCL's own
+memory, registered as a symmetric window, for the NCCL_sym baseline.
 """
 from __future__ import annotations
 
@@ -183,6 +185,11 @@ class CudaArrays:
             graph = stream.end_capture()
         return graph, stream
 
+    def nccl_window(self, ncomm, bufs, out) -> "NcclWindow":
+        """Collective: copies of ``bufs`` and an output like ``out`` in one symmetric NCCL window
+        of ``ncomm`` (an `echonccl.nccl.NcclComm`), on the current stream."""
+        return NcclWindow(self.cp, ncomm, bufs, out)
+
     def device(self) -> tuple:
         """(index, name) of the current device."""
         index = self.cp.cuda.Device().id
@@ -193,6 +200,52 @@ class CudaArrays:
         rt = self.cp.cuda.runtime
         fmt = lambda v: f"{v // 1000}.{v % 1000 // 10}"  # noqa: E731
         return f"runtime {fmt(rt.runtimeGetVersion())}, driver {fmt(rt.driverGetVersion())}"
+
+
+class NcclWindow:
+    """A size's input buffers copied, and an output buffer, in one ``ncclMemAlloc`` allocation
+    registered as one symmetric window of an NCCL communicator (``NCCL_WIN_COLL_SYMMETRIC``).
+
+    Collective: every rank passes as many buffers of the same size, so buffer ``i`` lies at the
+    same offset of the window on every rank, which NCCL's symmetric kernels need; each starts
+    on a ``NCCL_WIN_REQUIRED_ALIGNMENT`` boundary. ``bufs`` and ``out``: cupy arrays on the
+    window (the copies are enqueued on the current stream). `close` (collective, once the work
+    on them is done: it synchronizes the device) deregisters the window and frees the memory;
+    the arrays must not be used after it. `EchoncclError` when NCCL registers no window.
+    """
+
+    def __init__(self, cp, ncomm, bufs, out):
+        from ..errors import EchoncclError
+        from ..nccl import NCCL_WIN_REQUIRED_ALIGNMENT as ALIGN
+
+        self._cp, self._ncomm, self._lib = cp, ncomm, ncomm.lib
+        stride = -(-max(out.nbytes, 1) // ALIGN) * ALIGN
+        size = stride * (len(bufs) + 1)
+        self._ptr = self._lib.mem_alloc(size)
+        try:
+            self._win = ncomm.register_window(self._ptr, size, symmetric=True)
+        except BaseException:
+            self._lib.mem_free(self._ptr)
+            raise
+        if self._win is None:
+            self._lib.mem_free(self._ptr)
+            raise EchoncclError("NCCL registered no window: this communicator has no symmetric memory")
+        mem = cp.cuda.UnownedMemory(self._ptr, size, self, cp.cuda.Device().id)
+        views = [cp.ndarray(out.shape, out.dtype, cp.cuda.MemoryPointer(mem, i * stride))
+                 for i in range(len(bufs) + 1)]
+        for view, b in zip(views, bufs):
+            view.data.copy_from_device_async(b.data, b.nbytes)
+        self.bufs, self.out = views[:-1], views[-1]
+
+    def close(self) -> None:
+        if self._ptr:
+            self._cp.cuda.runtime.deviceSynchronize()
+            self.bufs, self.out = [], None
+            ptr, self._ptr = self._ptr, 0
+            try:
+                self._ncomm.deregister_window(self._win)
+            finally:
+                self._lib.mem_free(ptr)
 
 
 def make_arrays(engine):

@@ -6,9 +6,12 @@ calls `run`, which parses the options (`echonccl.perf.options`), opens a
 communicator and runs a `Bench`. Per size, on every rank: fresh random
 non-zero inputs in several rotated buffers (`echonccl.perf.arrays`); a
 correctness run, separate from the timing, against the exact float64
-reference (`echonccl.perf.check`); then, for the baseline and each echonccl
-algorithm in turn, a warm-up and a timed loop over the same buffers; the
-median per-call time, combined across ranks per ``-a`` (`combine_time`).
+reference (`echonccl.perf.check`); then, for the baselines and each echonccl
+algorithm in turn, a warm-up and a timed loop over the same buffers (a
+variant with memory of its own, NCCL on symmetric windows, over copies of
+them there); the median per-call time, combined across ranks per ``-a``
+(`combine_time`). echonccl's speedups divide by the last baseline that runs
+(`echonccl.perf.check.speedup_baseline`).
 Rank 0 prints the header, table and footer (`echonccl.perf.table`) and
 writes the files (`echonccl.perf.report`).
 
@@ -28,7 +31,7 @@ import numpy as np
 from .. import dtypes
 from ..transport_mpi import node_rank_and_size
 from .arrays import buffer_count, make_arrays, seed_for
-from .check import Result, Row, accuracy_stats, divergence_mask, worst
+from .check import Result, Row, accuracy_stats, divergence_mask, speedup_baseline, worst
 from .options import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, element_counts, format_size,
                       parse_options)
 from .report import summary, write_outputs
@@ -45,11 +48,21 @@ class Variant:
     ``start()`` returns a fresh ``call(x, out, stream)`` that runs it once on
     engine arrays (``stream`` None: the current stream); each call of
     ``start`` gets its own state (its own error-feedback residuals).
+
+    ``memory(arrays, bufs, out)``, when given, is collective and returns the
+    buffers this variant runs on instead: an object with ``bufs`` and ``out``
+    (copies of the inputs, an output) and a collective ``close()`` (called
+    once the size is measured). ``unavailable``: why the variant cannot run
+    here (its columns read n/a, the reason is in the header). ``note``: what
+    it is, for the header.
     """
 
     label: str
     baseline: bool
     start: Callable[[], Callable]
+    memory: Optional[Callable] = None
+    unavailable: Optional[str] = None
+    note: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,8 @@ class Collective:
     """What the driver needs to know about one collective.
 
     ``bus_factor(nranks)``: busbw = algbw * bus_factor (nccl-tests' convention).
-    ``variants(comm, opts)``: the `Variant` list, baseline (if any) first.
+    ``variants(comm, opts)``: the `Variant` list (collective), baselines (if any) first,
+    the one speedups divide by last among them.
     ``reference(mpi, x_host)``: collective over the mpi4py communicator; the
     exact result of the collective over every rank's host input ``x_host``
     as float64 on rank 0, None on the other ranks.
@@ -100,9 +114,12 @@ class Bench:
         self.collective, self.opts, self.mpi, self.comm, self.arrays = collective, opts, mpi, comm, arrays
         self.rank, self.nranks = mpi.Get_rank(), mpi.Get_size()
         self.variants = collective.variants(comm, opts)
+        self.running = [v for v in self.variants if not v.unavailable]
+        self.speedup_label = speedup_baseline(self.variants)
         self.dtype = dtypes.numpy_dtype(opts.datatype)
         self.points = element_counts(opts.sizes, self.dtype.itemsize)
-        self.budget = arrays.memory_budget(node_rank_and_size(mpi)[1])
+        copies = any(v.memory for v in self.running)       # memory of its own: half the budget each
+        self.budget = arrays.memory_budget(node_rank_and_size(mpi)[1]) // (2 if copies else 1)
 
     # -- per size ------------------------------------------------------------------------------
     def inputs(self, nbytes: int, count: int) -> list:
@@ -113,26 +130,33 @@ class Bench:
         return [self.arrays.random(count, self.dtype, seed_for(self.rank, nbytes, i)) for i in range(k)]
 
     def measure(self, nbytes: int, count: int) -> Row:
-        """Check, then time, every variant at one size."""
+        """Check, then time, every variant that runs at one size."""
         bufs = self.inputs(nbytes, count)
         out = self.arrays.empty(count, self.dtype)
-        errors = self.check(bufs, out) if self.opts.check else {}
-        times = {v.label: self.time_variant(v, bufs, out) for v in self.variants}
+        own = {v.label: v.memory(self.arrays, bufs, out) for v in self.running if v.memory}
+        self.arrays.synchronize()                       # the copies into them are done
+        where = {v.label: (own[v.label].bufs, own[v.label].out) if v.label in own else (bufs, out)
+                 for v in self.running}
+        errors = self.check(bufs, where) if self.opts.check else {}
+        times = {v.label: self.time_variant(v, *where[v.label]) for v in self.running}
         k = len(bufs)
-        del bufs, out
+        del bufs, out, where
+        for mem in own.values():        # no `finally`: a rank that failed must not wait in a collective
+            mem.close()
         self.arrays.release()
         return self.row(nbytes, count, k, times, errors)
 
-    def check(self, bufs, out) -> dict:
+    def check(self, bufs, where: dict) -> dict:
         """``label -> (relerr, maxerr, wrong)``, the worst over ``-c`` correctness runs. Each variant
-        starts a fresh state (feedback) for these runs; run ``j`` reads ``bufs[j % len(bufs)]``."""
-        calls = {v.label: v.start() for v in self.variants}
+        starts a fresh state (feedback) for these runs; run ``j`` reads input ``j % len(bufs)`` (of
+        ``where[label]``: ``(bufs, out)`` per variant, ``bufs`` or copies of them)."""
+        calls = {v.label: v.start() for v in self.running}
         errors: dict = {}
         for j in range(self.opts.check):
-            x = bufs[j % len(bufs)]
-            ref = self.collective.reference(self.mpi, self.arrays.to_host(x))
-            for v in self.variants:
-                calls[v.label](x, out, None)
+            ref = self.collective.reference(self.mpi, self.arrays.to_host(bufs[j % len(bufs)]))
+            for v in self.running:
+                ins, out = where[v.label]
+                calls[v.label](ins[j % len(ins)], out, None)
                 self.arrays.synchronize()
                 errors[v.label] = worst(errors.get(v.label), self._compare(out, ref))
         return errors
@@ -159,19 +183,23 @@ class Bench:
         return combine_time(self.mpi, float(np.median(secs)), self.opts.average)
 
     def row(self, nbytes: int, count: int, buffers: int, times: dict, errors: dict) -> Row:
-        """The `Row` of one size from the combined times and the check's errors."""
-        base = next((times[v.label] for v in self.variants if v.baseline), None)
-        results = [self._result(v, nbytes, times[v.label], base, errors.get(v.label))
+        """The `Row` of one size from the combined times (none for a variant that cannot run)
+        and the check's errors."""
+        bases = {v.label: times[v.label] for v in self.running if v.baseline}
+        results = [self._result(v, nbytes, times.get(v.label), bases, errors.get(v.label))
                    for v in self.variants]
         return Row(nbytes, count, self.opts.datatype, buffers, results)
 
-    def _result(self, v: Variant, nbytes: int, seconds: float, base, error) -> Result:
+    def _result(self, v: Variant, nbytes: int, seconds: Optional[float], bases: dict, error) -> Result:
+        if seconds is None:
+            return Result(v.label, v.baseline, None, None, None)
         algbw = nbytes / seconds / 1e9
-        speedup = None if v.baseline or base is None else base / seconds
+        speedups = None if v.baseline or not bases else {b: t / seconds for b, t in bases.items()}
+        speedup = speedups.get(self.speedup_label) if speedups and self.speedup_label else None
         relerr, maxerr, wrong = error or (None, None, None)
         return Result(v.label, v.baseline, seconds * 1e6, algbw,
                       bus_bandwidth(algbw, self.nranks, self.collective.bus_factor),
-                      speedup, relerr, maxerr, wrong)
+                      speedup, relerr, maxerr, wrong, speedups)
 
     # -- whole run -----------------------------------------------------------------------------
     def sweep(self, info: dict) -> int:
@@ -188,7 +216,7 @@ class Bench:
             progress.clear()
             if root:
                 print(table_row(rows[-1]), flush=True)
-        summ = summary(rows, self.variants)
+        summ = summary(rows, self.variants, self.speedup_label)
         if root:
             print("\n".join(footer_lines(summ, bool(self.opts.check))), flush=True)
             write_outputs(self.opts, info, rows, summ)
@@ -242,8 +270,9 @@ def _run(collective: Collective, opts, mpi) -> int:
     try:
         _agree(mpi, _engine_problem(opts, comm.engine))
         arrays = make_arrays(comm.engine)
-        info = run_info(opts, collective, mpi, comm, arrays)
-        return Bench(collective, opts, mpi, comm, arrays).sweep(info)
+        bench = Bench(collective, opts, mpi, comm, arrays)
+        info = run_info(opts, collective, mpi, comm, arrays, bench.variants)
+        return bench.sweep(info)
     finally:
         comm.close()
 

@@ -7,7 +7,8 @@
   rank 0's, bitwise;
 * `worst`: the worse of two checks' ``(relerr, maxerr, wrong)``;
 * `Result` (one variant at one size, `Result.ok` against `MAX_RELERR`) and
-  `Row` (one size); the JSON (``-J``) holds ``asdict(row)`` per size.
+  `Row` (one size); the JSON (``-J``) holds ``asdict(row)`` per size;
+* `speedup_baseline`: which baseline echonccl's ``speedup`` divides by.
 """
 from __future__ import annotations
 
@@ -89,18 +90,22 @@ def divergence_mask(mpi, out: np.ndarray) -> Optional[np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Result:
-    """One variant at one size. ``speedup`` = baseline time / this time (None for the baseline or
-    without one); ``relerr``, ``maxerr``, ``wrong``: None when the check is off (``-c 0``)."""
+    """One variant at one size. ``speedup`` = the speedup baseline's time / this time (the
+    baseline `speedup_baseline` names; None for a baseline or without one); ``speedups``: the
+    same against every baseline that ran, by label (None for a baseline). ``relerr``,
+    ``maxerr``, ``wrong``: None when the check is off (``-c 0``). A variant that could not run
+    (n/a, its reason in the run's header) has every measurement None."""
 
     label: str
     baseline: bool
-    time_us: float
-    algbw: float
-    busbw: float
+    time_us: Optional[float]
+    algbw: Optional[float]
+    busbw: Optional[float]
     speedup: Optional[float] = None
     relerr: Optional[float] = None
     maxerr: Optional[float] = None
     wrong: Optional[int] = None
+    speedups: Optional[dict] = None
 
     def ok(self) -> bool:
         """True unless the check found a wrong element or a relative error above `MAX_RELERR`."""
@@ -118,6 +123,15 @@ class Row:
     dtype: str
     buffers: int
     results: list
+
+
+def speedup_baseline(variants) -> Optional[str]:
+    """The label echonccl's ``speedup`` divides by: the last baseline of ``variants`` that runs
+    (baselines come plain first, fastest last: NCCL on symmetric windows over plain NCCL);
+    None without one. ``variants``: anything with ``label``, ``baseline`` and, optionally,
+    ``unavailable`` (the reason it cannot run)."""
+    labels = [v.label for v in variants if v.baseline and not getattr(v, "unavailable", None)]
+    return labels[-1] if labels else None
 
 
 def worst(a: Optional[tuple], b: tuple) -> tuple:

@@ -2,7 +2,7 @@
 
 * `build_parser` and `parse_options`: nccl-tests' flags (``-b -e -i -f -n
   -w -c -d -G -a -J``, same letters and long names) and echonccl's own
-  (``--algo --no-feedback --no-baseline --engine --csv --plot
+  (``--algo --no-feedback --no-baseline --no-nccl-sym --engine --csv --plot
   --quiet``); argparse's messages print on rank 0 only;
 * sizes: `parse_size` (``64K``, ``1G``), `format_size`, the sweep
   (`size_sweep`, as nccl-tests' ``-b -e -i -f``) and `element_counts`;
@@ -113,8 +113,14 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     """The command line: nccl-tests' flags (same letters and long names) and echonccl's own."""
     p = argparse.ArgumentParser(
         prog=prog, description=f"Bandwidth and accuracy of echonccl's 4-bit {collective} against "
-        "the baseline (NCCL on GPU, MPI on CPU). Launch with mpirun -np N.",
-        epilog="Sizes take K, M, G suffixes (powers of 1024). Exit status: 0 all checks passed, "
+        "the baselines: on GPU NCCL (column NCCL) and, with NCCL >= 2.27, NCCL on symmetric "
+        "windows (NCCL_sym: buffers from ncclMemAlloc registered with NCCL_WIN_COLL_SYMMETRIC, "
+        "its fastest at small sizes); on CPU MPI. Launch with mpirun -np N.",
+        epilog="Each echonccl variant's speedup is the time of one baseline over its own; the "
+        "column's unit line names it (vs NCCL_sym when that runs, else vs NCCL or vs MPI), the "
+        "footer gives the geometric means against every baseline. A baseline NCCL refuses here "
+        "shows n/a, the reason in the header. Sizes take K, M, G suffixes (powers of 1024). "
+        "Exit status: 0 all checks passed, "
         f"1 a wrong result or a relative error above {MAX_RELERR}, 2 usage error.")
     g = p.add_argument_group("sweep and method (as nccl-tests)")
     g.add_argument("-b", "--minbytes", type=_size_arg, default=32 << 20, metavar="SIZE",
@@ -153,7 +159,10 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--rounds", type=_int_arg(1), default=1, metavar="R",
                    help="4-bit rounds per all-reduce (default 1; R > 1 also sends the residuals, "
                    "R times the traffic, needs feedback)")
-    e.add_argument("--no-baseline", action="store_true", help="do not run the baseline")
+    e.add_argument("--no-baseline", action="store_true", help="do not run the baselines")
+    e.add_argument("--no-nccl-sym", action="store_true",
+                   help="GPU engine: do not time NCCL on symmetric windows (NCCL_sym, on by default; "
+                   "speedups then divide by plain NCCL)")
     e.add_argument("--engine", choices=("cpu", "gpu", "auto"), default="auto",
                    help="echonccl engine (default auto: gpu when cupy sees one)")
     e.add_argument("--csv", metavar="FILE", help="write the results as CSV, one row per size and variant")

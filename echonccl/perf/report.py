@@ -1,7 +1,8 @@
 """The results of a run, summarised and written to files, and re-read from JSON.
 
 * `summary`: per variant the average bus bandwidth, the geometric-mean
-  speedup and the largest relative error; the failed checks;
+  speedup (against the speedup baseline, and against every baseline) and
+  the largest relative error; the failed checks;
 * `write_json` (``-J``), `write_csv` (``--csv``), `write_plot` (``--plot``:
   bus bandwidth and speedup over size), `write_outputs` (the ones asked for);
 * `load_json` and `markdown_table`, and the command that uses them:
@@ -25,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import check
 from .check import Result, Row
 from .options import format_size
 from .table import format_ranks
@@ -44,6 +46,25 @@ def _series(rows, label: str, field: str) -> list:
     return [getattr(r, field) for row in rows for r in row.results if r.label == label]
 
 
+def _mean(values) -> Optional[float]:
+    """The mean of the values that are not None (a variant that could not run has none): None
+    when there are none."""
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
+def _speedups_vs(rows, label: str, base: str) -> list:
+    return [(r.speedups or {}).get(base) for row in rows for r in row.results if r.label == label]
+
+
+def speedup_label(info: dict) -> Optional[str]:
+    """The baseline a run's ``speedup`` divides by: ``speedup_baseline`` in its metadata (JSON
+    files from before it: the one baseline, when it ran)."""
+    if "speedup_baseline" in info:
+        return info["speedup_baseline"]
+    return info.get("baseline") if info.get("baseline_run", True) else None
+
+
 def geometric_mean(values) -> Optional[float]:
     """Geometric mean of the finite positive ``values``; None when there are none."""
     logs = [math.log(v) for v in values if v is not None and math.isfinite(v) and v > 0]
@@ -56,16 +77,23 @@ def failures(rows) -> list:
             for row in rows for r in row.results if not r.ok()]
 
 
-def summary(rows, variants) -> dict:
-    """Per variant: the average bus bandwidth (nccl-tests' footer), the geometric-mean speedup and
-    the largest relative error over the sweep; the failed checks; ``ok``."""
+def summary(rows, variants, speedup_baseline: Optional[str] = None) -> dict:
+    """Per variant: the average bus bandwidth (nccl-tests' footer; None for a variant that could
+    not run), the geometric-mean speedup (``geomean_speedup``: against the speedup baseline;
+    ``geomean_speedups``: against each baseline that ran, by baseline) and the largest relative
+    error over the sweep; the failed checks; ``ok``. ``speedup_baseline``: the label ``speedup``
+    divides by (default: `echonccl.perf.check.speedup_baseline` of ``variants``)."""
     labels = [v.label for v in variants]
     fails = failures(rows)
     relerrs = {k: [e for e in _series(rows, k, "relerr") if e is not None] for k in labels}
+    mine = [v.label for v in variants if not v.baseline]
+    bases = [v.label for v in variants if v.baseline and not getattr(v, "unavailable", None)]
     return {
-        "avg_busbw": {k: float(np.mean(_series(rows, k, "busbw"))) for k in labels},
-        "geomean_speedup": {v.label: geometric_mean(_series(rows, v.label, "speedup"))
-                            for v in variants if not v.baseline and any(w.baseline for w in variants)},
+        "avg_busbw": {k: _mean(_series(rows, k, "busbw")) for k in labels},
+        "speedup_baseline": speedup_baseline or check.speedup_baseline(variants),
+        "geomean_speedup": {k: geometric_mean(_series(rows, k, "speedup"))
+                            for k in mine if any(v.baseline for v in variants)},
+        "geomean_speedups": {b: {k: geometric_mean(_speedups_vs(rows, k, b)) for k in mine} for b in bases},
         "max_relerr": {k: (max(relerrs[k], key=lambda e: (math.isnan(e), e)) if relerrs[k] else None)
                        for k in labels},
         "failures": fails,
@@ -77,7 +105,7 @@ def summary(rows, variants) -> dict:
 # Files
 # ---------------------------------------------------------------------------------------------
 CSV_FIELDS = ("size", "count", "dtype", "buffers", "label", "baseline", "time_us", "algbw", "busbw",
-              "speedup", "relerr", "maxerr", "wrong")
+              "speedup", "relerr", "maxerr", "wrong", "speedup_vs")
 
 
 def _finite(obj):
@@ -99,21 +127,24 @@ def write_json(path: str, info: dict, rows, summ: dict) -> None:
         f.write("\n")
 
 
-def write_csv(path: str, rows) -> None:
-    """One line per (size, variant), columns `CSV_FIELDS`; empty cells for missing values."""
+def write_csv(path: str, rows, speedup_baseline: Optional[str] = None) -> None:
+    """One line per (size, variant), columns `CSV_FIELDS`; empty cells for missing values;
+    ``speedup_vs``: the baseline ``speedup`` divides by, on echonccl's lines."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for row in rows:
             for r in row.results:
-                rec = dict(asdict(r), size=row.size, count=row.count, dtype=row.dtype, buffers=row.buffers)
+                rec = dict(asdict(r), size=row.size, count=row.count, dtype=row.dtype, buffers=row.buffers,
+                           speedup_vs=None if r.baseline else speedup_baseline)
                 w.writerow({k: ("" if rec[k] is None else rec[k]) for k in CSV_FIELDS})
 
 
 def write_plot(path: str, info: dict, rows, title: Optional[str] = None) -> None:
     """A PNG with two panels over size (log2 axis): bus bandwidth of every variant, and the
-    speedup of echonccl's variants over the baseline with a line at 1. ``title``, when given,
-    is a first line above the run's description."""
+    speedup of echonccl's variants over the speedup baseline (`speedup_label`) with a line at 1;
+    a variant that could not run has no line. ``title``, when given, is a first line above the
+    run's description."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,13 +153,18 @@ def write_plot(path: str, info: dict, rows, title: Optional[str] = None) -> None
 
     fig, (bw, sp) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
     sizes = [row.size for row in rows]
+    base = speedup_label(info)
     for label, baseline in [(r.label, r.baseline) for r in rows[0].results]:
-        (line,) = bw.plot(sizes, _series(rows, label, "busbw"), marker="o", label=label)
-        if not baseline and info["baseline_run"]:     # same colour per variant in both panels
-            sp.plot(sizes, _series(rows, label, "speedup"), marker="o", label=label, color=line.get_color())
+        xs, ys = _known(sizes, _series(rows, label, "busbw"))
+        if not xs:
+            continue
+        (line,) = bw.plot(xs, ys, marker="o", label=label)
+        if not baseline and base:     # same colour per variant in both panels
+            sp.plot(*_known(sizes, _series(rows, label, "speedup")), marker="o", label=label,
+                    color=line.get_color())
     sp.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     _log_if_wide(bw)
-    for ax, ylabel in ((bw, "bus bandwidth (GB/s)"), (sp, f"speedup over {info['baseline']} (x)")):
+    for ax, ylabel in ((bw, "bus bandwidth (GB/s)"), (sp, f"speedup over {base or info['baseline']} (x)")):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(int(v))))
         ax.tick_params(axis="x", labelrotation=45)
@@ -141,6 +177,12 @@ def write_plot(path: str, info: dict, rows, title: Optional[str] = None) -> None
     fig.suptitle(described if title is None else f"{title}\n{described}")
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _known(xs, ys) -> tuple:
+    """The points of ``(xs, ys)`` whose y is not None, as two lists."""
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    return [x for x, _ in pts], [y for _, y in pts]
 
 
 def _log_if_wide(ax) -> None:
@@ -156,7 +198,7 @@ def write_outputs(opts, info: dict, rows, summ: dict) -> None:
     if opts.json:
         write_json(opts.json, info, rows, summ)
     if opts.csv:
-        write_csv(opts.csv, rows)
+        write_csv(opts.csv, rows, info.get("speedup_baseline"))
     if opts.plot:
         write_plot(opts.plot, info, rows)
 
@@ -198,13 +240,15 @@ def _wrong_cell(results) -> str:
 
 def markdown_table(info: dict, rows) -> str:
     """One run as a markdown table, after a line describing it (engine, ranks, dtype, group size,
-    feedback). Per size: the baseline's time and bus bandwidth, each echonccl variant's time, bus
-    bandwidth and speedup, then the largest relative error and the total #wrong over echonccl's
+    feedback). Per size: each baseline's time and bus bandwidth (``-`` where it could not run),
+    each echonccl variant's time, bus bandwidth and speedup (``speedup vs B``: over baseline B,
+    `speedup_label`), then the largest relative error and the total #wrong over echonccl's
     variants. Without a baseline (``--no-baseline``) its columns and the speedups are left out."""
     base = [r.label for r in rows[0].results if r.baseline]
     algos = [r.label for r in rows[0].results if not r.baseline]
+    vs = speedup_label(info) or (base[-1] if base else None)
     head = ["size"] + [c for b in base for c in (f"{b} (us)", "busbw (GB/s)")]
-    head += [c for a in algos for c in (f"{a} (us)", "busbw") + (("speedup",) if base else ())]
+    head += [c for a in algos for c in (f"{a} (us)", "busbw") + ((f"speedup vs {vs}",) if base else ())]
     head += ["relerr", "#wrong"]
     lines = [f"{info['engine_description']}, {format_ranks(info['nranks'])}, {info['dtype']}, "
              f"group {info['group_size']}, {feedback_words(info)}", "",

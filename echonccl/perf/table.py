@@ -2,8 +2,10 @@
 
 * the header: `run_info` (the run's metadata, also the top level of the
   JSON), `header_lines` (versions, engine, options, `rank_line` per rank);
-* the table: `Column` and `table_header` (three ``#`` lines), `table_row`
-  (one line per size);
+* the table: `Column` and `table_header` (three ``#`` lines: a group of
+  columns per variant, echonccl's with a ``speedup`` whose unit line names
+  the baseline it divides by), `table_row` (one line per size; ``n/a`` in
+  the columns of a variant that could not run);
 * the footer: `footer_lines` (average bus bandwidth, geometric-mean
   speedup, the check) from `echonccl.perf.report.summary`;
 * `Progress`: a one-line bar on stderr.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .. import __version__
-from .check import MAX_RELERR, Row
+from .check import MAX_RELERR, Row, speedup_baseline
 from .options import AVERAGE_MODES
 
 if TYPE_CHECKING:
@@ -50,9 +52,11 @@ def baseline_version(engine) -> str:
     return mpi_library_version() if engine.name == "cpu" else "unknown"
 
 
-def run_info(opts, collective: Collective, mpi, comm, arrays) -> dict:
+def run_info(opts, collective: Collective, mpi, comm, arrays, variants=()) -> dict:
     """Collective: the run's metadata (JSON's top level); ``ranks`` (one entry per rank: pid,
-    host, device) on rank 0 only."""
+    host, device) on rank 0 only. From ``variants`` (the `Variant` list): ``baselines`` (the
+    baselines' labels, in table order), ``speedup_baseline`` (the one ``speedup`` divides by),
+    ``notes`` (what a variant is, by label) and ``unavailable`` (why one could not run: n/a)."""
     engine = comm.engine
     index, desc = arrays.device()
     if hasattr(engine, "device_description"):
@@ -68,6 +72,10 @@ def run_info(opts, collective: Collective, mpi, comm, arrays) -> dict:
         "codec": comm.config.codec,
         "feedback": not opts.no_feedback, "residual": opts.residual, "rounds": opts.rounds,
         "algorithms": list(opts.algorithms),
+        "baselines": [v.label for v in variants if v.baseline],
+        "speedup_baseline": speedup_baseline(variants),
+        "notes": {v.label: v.note for v in variants if v.note},
+        "unavailable": {v.label: v.unavailable for v in variants if v.unavailable},
         "max_relerr_bound": MAX_RELERR, "units": {"time_us": "us", "algbw": "GB/s", "busbw": "GB/s"},
         "options": {k: v for k, v in vars(opts).items() if k not in ("sizes", "prog")},
         "ranks": mpi.gather(me, root=0),
@@ -83,6 +91,11 @@ def header_lines(info: dict) -> list:
              f"# engine   : {info['engine_description']}",
              f"# baseline : {info['baseline']} ({info['baseline_version']})"
              + ("" if info["baseline_run"] else " (not run: --no-baseline)")]
+    for label in info.get("baselines", [])[1:]:              # NCCL on symmetric windows
+        why = info.get("unavailable", {}).get(label)
+        lines.append(f"# {label:<8} : " + (f"n/a: {why}" if why else info.get("notes", {}).get(label, "")))
+    if info.get("speedup_baseline"):
+        lines.append(f"# speedup  : {info['speedup_baseline']}'s time / each echonccl variant's")
     if info["engine"] != "cpu":
         lines.append(f"# MPI      : {info['mpi_version']}")
     if info["cuda"]:
@@ -139,16 +152,23 @@ TYPE = Column("type", "", 9, lambda row: row.dtype)
 TIME = Column("time", "(us)", 9, lambda r: _fmt_time(r.time_us))
 ALGBW = Column("algbw", "(GB/s)", 7, lambda r: f"{r.algbw:.2f}")
 BUSBW = Column("busbw", "(GB/s)", 7, lambda r: f"{r.busbw:.2f}")
-SPEEDUP = Column("speedup", "(x)", 7, lambda r: format_optional(r.speedup, ".2f"))
+SPEEDUP = Column("speedup", "(x)", 7, lambda r: format_optional(r.speedup, ".2f"))   # `speedup_column`
 RELERR = Column("relerr", "", 8, lambda r: format_optional(r.relerr, ".2e"))
 MAXERR = Column("maxerr", "", 8, lambda r: format_optional(r.maxerr, ".2e"))
 WRONG = Column("#wrong", "", 6, lambda r: format_optional(r.wrong, "d"))
 PREFIX = (SIZE, COUNT, TYPE)
 
 
-def variant_columns(baseline: bool, has_baseline: bool) -> list:
-    """The columns of one variant's group: speedup only for echonccl's variants against a baseline."""
-    speed = [SPEEDUP] if has_baseline and not baseline else []
+def speedup_column(base: str) -> Column:
+    """`SPEEDUP` dividing by baseline ``base``: its unit line says so (``vs NCCL_sym``)."""
+    unit = f"vs {base}"
+    return Column(SPEEDUP.name, unit, max(SPEEDUP.width, len(unit)), SPEEDUP.render)
+
+
+def variant_columns(baseline: bool, speedup_vs) -> list:
+    """The columns of one variant's group: speedup only for echonccl's variants, when there is a
+    baseline ``speedup_vs`` (its label; None: none) to divide by."""
+    speed = [speedup_column(speedup_vs)] if speedup_vs and not baseline else []
     return [TIME, ALGBW, BUSBW] + speed + [RELERR, MAXERR, WRONG]
 
 
@@ -160,15 +180,16 @@ def _line(lead: str, prefix: str, groups) -> str:
     return lead + prefix + "".join("   " + g for g in groups)
 
 
-def _groups(flags) -> list:
-    """Column lists per variant, from ``(baseline?)`` flags in table order."""
-    has_baseline = any(flags)
-    return [variant_columns(b, has_baseline) for b in flags]
+def _groups(variants) -> list:
+    """Column lists per variant (anything with ``label``, ``baseline`` and, optionally,
+    ``unavailable``; for a `Result`, a missing time), in table order."""
+    vs = speedup_baseline(variants)
+    return [variant_columns(v.baseline, vs) for v in variants]
 
 
 def table_header(variants) -> list:
     """Three ``#`` lines: variant labels centred over their groups, column names, units."""
-    groups = _groups([v.baseline for v in variants])
+    groups = _groups(variants)
     width = lambda cols: sum(c.width for c in cols) + len(cols) - 1  # noqa: E731
     blank = " " * width(PREFIX)
     labels = [v.label.center(width(cols)) for v, cols in zip(variants, groups)]
@@ -180,32 +201,51 @@ def table_header(variants) -> list:
 
 
 def table_row(row: Row) -> str:
-    """One size's line of the table."""
-    groups = _groups([r.baseline for r in row.results])
-    cells = [_cells(cols, [c.render(r) for c in cols]) for r, cols in zip(row.results, groups)]
+    """One size's line of the table; ``n/a`` in every column of a variant that could not run."""
+    groups = _groups([_Ran(r) for r in row.results])
+    cells = [_cells(cols, ["n/a" if r.time_us is None else c.render(r) for c in cols])
+             for r, cols in zip(row.results, groups)]
     return _line(" ", _cells(PREFIX, [c.render(row) for c in PREFIX]), cells)
+
+
+class _Ran:
+    """A `Result` seen as a variant for `_groups`: unavailable when it has no time."""
+
+    def __init__(self, r):
+        self.label, self.baseline = r.label, r.baseline
+        self.unavailable = "n/a" if r.time_us is None else None
 
 
 # ---------------------------------------------------------------------------------------------
 # Footer
 # ---------------------------------------------------------------------------------------------
 def footer_lines(summ: dict, checked: bool) -> list:
-    """nccl-tests-style footer lines from a `summary`."""
-    bw = "  ".join(f"{k} {v:.2f}" for k, v in summ["avg_busbw"].items())
+    """nccl-tests-style footer lines from a `summary`: the geometric-mean speedups against the
+    speedup baseline first, then against each other baseline."""
+    bw = "  ".join(f"{k} {_na(v, '.2f')}" for k, v in summ["avg_busbw"].items())
     lines = [f"# Avg bus bandwidth    : {bw}  (GB/s)"]
     if summ["geomean_speedup"]:
-        sp = "  ".join(f"{k} {format_optional(v, '.2f')}x"
-                       for k, v in summ["geomean_speedup"].items())
+        first = summ.get("speedup_baseline")
+        per = dict(summ.get("geomean_speedups") or {first: summ["geomean_speedup"]})
+        per[first] = summ["geomean_speedup"]
+        order = [first] + [b for b in per if b != first]
+        sp = ";  ".join((f"vs {b}: " if b else "") + "  ".join(f"{k} {format_optional(v, '.2f')}x"
+                                                                for k, v in per[b].items()) for b in order)
         lines.append(f"# Geomean speedup      : {sp}")
     lines.append(f"# Check                : {_check_text(summ, checked)}")
     return lines + ["#"]
+
+
+def _na(value, spec: str) -> str:
+    """``value`` per ``spec``, ``n/a`` for None (a variant that could not run)."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def _check_text(summ: dict, checked: bool) -> str:
     if not checked:
         return "disabled (-c 0)"
     if summ["ok"]:
-        errs = ", ".join(f"{k} {format_optional(v, '.2e')}" for k, v in summ["max_relerr"].items())
+        errs = ", ".join(f"{k} {_na(v, '.2e')}" for k, v in summ["max_relerr"].items())
         return f"OK (max relerr: {errs})"
     shown = summ["failures"][:5]
     more = len(summ["failures"]) - len(shown)
