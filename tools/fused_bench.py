@@ -7,13 +7,17 @@ the whole-slice one (slices whole and aligned, no bounds tests), and of the quan
         [--residual input|float32|int8] [--rounding on|off] [--kernels general whole] [--iters 10] [--reps 2]
         [--grid N] [--tiles N]
     bash tools/with_mps.sh [--percent 50] python3 tools/launch.py -n 2 tools/fused_bench.py ...
+    python tools/fused_bench.py --solo [--ranks 2 4 8] ...      (= tools/fused_solo.py: one process)
 
 Rank r runs on device r % (devices): on a two-GPU host each rank has its GPU and the times are
 the fused path's own (NVLink between them). On one GPU both ranks share it, which times their
 work only under MPS (`tools/with_mps.sh`; without it the two processes' kernels take turns and
 each spins on the other's flags): a proxy for the kernels' cost that leaves NVLink out and
 makes the ranks share the SMs and the memory. It ranks variants differently depending on how
-they share: use it to spot large effects, and confirm on two GPUs.
+they share: use it to spot large effects, and confirm on two GPUs. ``--solo`` times instead one
+rank's kernel alone on the GPU (rank 0 of P = 2, 4, 8, its peers' data and flags pre-set:
+`tools/fused_solo.py`), what bounds the P-GPU time; the MPS proxy stays the check that ranks
+running at once make progress.
 ``--grid`` sets the blocks per launch (default: `kernel_table.FUSED_BLOCKS_PER_SM` per SM, divided
 by the ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it);
 ``--tiles`` sets `peer_memory.TILES`. bf16 input, feedback on; medians over
@@ -22,9 +26,9 @@ by the ranks sharing the GPU so that every grid stays resident; with ``--percent
 from __future__ import annotations
 
 import argparse
+import sys
 
 import cupy as cp
-from mpi4py import MPI
 
 import echonccl
 from echonccl import codec, dtypes, fused, peer_memory
@@ -34,6 +38,14 @@ from kernel_bench import time_us
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--solo" in argv:                 # one rank alone, one process, no MPI (tools/fused_solo.py)
+        import fused_solo
+
+        argv.remove("--solo")
+        raise SystemExit(fused_solo.main(argv))
+    from mpi4py import MPI
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)

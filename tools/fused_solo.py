@@ -1,0 +1,518 @@
+#!/usr/bin/env python3
+"""A rank's own time on one GPU: rank 0 of a P-rank fused all-reduce, alone on the GPU, against
+peer buffers filled as its peers would have left them: a lower bound of the P-GPU time.
+
+    python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
+        [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
+        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10]
+    python tools/fused_bench.py --solo [the same options]
+
+One process, no MPI peers, no MPS: the MPS proxy (`tools/fused_bench.py` under
+`tools/with_mps.sh`) halves each rank's GPU and adds the other rank's work; here rank 0's kernel
+has every SM and all of HBM to itself, and what it would store over NVLink goes to the same HBM
+(NVLink's bandwidth and latency are left out). The MPS proxy stays the check that concurrent
+ranks make progress; this mode does not exercise the waits (they are satisfied before the launch).
+
+How. `FusedPaths` (the communicator's own launch code: same kernels, grid, tiles, arguments) of
+rank 0 of P runs over a `SoloRegion`: P regions of `peer_memory.region_layout` on this one device
+and rank 0's `peer_memory.peer_table` pointing rank r's entries at region r (the same device, so a
+plain pointer serves as the mapped one). Before timing:
+
+* `peer_data` computes, with the three-kernel GPU path (`kernels_cuda`, bitwise the fused
+  kernels and the numpy reference), what the P ranks of a first call (zero residuals) send: every
+  rank's quantized contribution to every slice, and every owner's codes of its reduced slice;
+* `fill` writes into rank 0's region what its peers would have left there at that call: its recv
+  slots (peer s's contribution to slice 0, slot s - 1), its gather slots s >= 1 (owner s's codes),
+  and for ``q`` parts s >= 1 of both push parities (peer s's P quantized slices). Rank 0's kernel
+  never writes these (it writes recv, gather slot 0 and push part 0 of the *other* regions, and
+  gather slot 0 of its own), so they stay valid for every later call;
+* before every launch, outside the timed interval, `arm` (a tiny kernel on the same stream) sets
+  every flag of rank 0's region that a peer sets, to rank 0's next epoch (its ``ctl.epoch + 1``,
+  read on the device): recv slots 0..P-2 and gather slots P..2P-2 (owners 1..P-1), all tiles; not
+  gather slot P-1 (rank 0's own), which only rank 0's kernel writes (``q`` waits on it: its own
+  push, a real dependency inside the launch). So no wait spins: every flag rank 0 waits on is
+  set before it starts, as when its peers have finished.
+
+Rank 0's first call is checked bit for bit against the P-rank reference all-reduce of the same
+inputs (`expected`; its residuals start at zero, as the peers' contributions assume); later calls
+reuse the first call's peer data with rank 0's residuals moving on: the same work, outputs that
+stay finite (checked), but no longer an all-reduce. A kernel that gives up waiting (``ctl.error``)
+stops the run. Timing: CUDA events around the fused launch alone, median of ``--iters`` after 3
+warm-ups, each kernel ``--reps`` times in alternation; the launches are queued behind a spin kernel
+so that host gaps do not count. The grid is the whole GPU's (`kernel_table.FUSED_BLOCKS_PER_SM` a
+SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
+prints ``-``: the communicator would take the NCCL path for it.
+
+Byte floor (`floor_bytes`): what one rank's kernel moves through HBM per all-reduce of n
+elements, t bytes each, slices of S elements and B wire bytes, residual slices of R bytes: input
+read and output written 2 t n, residuals read and written 2 P R; wire, two-shot (4P - 3) B (recv:
+P - 1 slices written by the peers, read; gather: the own slice written, P - 1 written by the
+owners, read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
+P GPUs (there the peers write the wire slices into this HBM; here rank 0 writes them into the
+peers' regions, in the same HBM). Implied bandwidth: those bytes over the best rep's median.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from echonccl import codec, peer_memory
+from echonccl.schedules.two_shot import _quantize
+
+KERNELS = ("general", "whole", "q", "q_whole")
+FAMILY = {"general": "two_shot", "whole": "two_shot", "q": "one_shot_q", "q_whole": "one_shot_q"}
+_SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
+
+# The arm kernel (every flag of rank 0's region but its own gather slot: its next epoch) and a
+# spin that holds the stream while the host queues the timed launches.
+ARM_SOURCE = r"""
+extern "C" __global__ void echo_solo_arm(const unsigned int* ctl, unsigned int* flags, long long n,
+                                         long long skip_lo, long long skip_hi) {
+    const unsigned int epoch = *((volatile const unsigned int*)ctl) + 1u;   // Ctl.epoch: its first word
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        if (i < skip_lo || i >= skip_hi) flags[i] = epoch;
+}
+
+extern "C" __global__ void echo_solo_spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}
+"""
+
+
+class SoloComm:
+    """What `peer_memory.PeerMemory` and `FusedPaths` ask of a communicator: rank 0 of ``size``."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return self.size
+
+
+class SoloRegion:
+    """A `peer_memory.Region` of rank 0 whose P - 1 peers' regions are plain allocations of this
+    process (the same `region_layout`, zeroed): ``bufs[r]`` is rank r's region (uint8 array of
+    ``xp``, cupy by default; numpy for the host-side tests) and ``table`` rank 0's `PeerTable`
+    over them. Made by `PeerMemory` through its ``make_region`` (same arguments as `Region`)."""
+
+    def __init__(self, comm, allgather, slice_bytes: int, max_tiles: int, push_bytes: int = 0, xp=None):
+        if xp is None:
+            import cupy as xp  # type: ignore[no-redef]
+        self.xp = xp
+        self.rank, self.size = 0, comm.Get_size()
+        self.slice_bytes, self.max_tiles = int(slice_bytes), int(max_tiles)
+        self.push_bytes = peer_memory._align(int(push_bytes))
+        self.lay = peer_memory.region_layout(self.size, self.slice_bytes, self.max_tiles, self.push_bytes)
+        self.nbytes = self.lay["nbytes"]
+        self.bufs = [xp.zeros(self.nbytes, dtype=xp.uint8) for _ in range(self.size)]
+        self.bases = [_ptr(b) for b in self.bufs]
+        self.table = xp.asarray(peer_memory.peer_table(0, self.bases, self.lay, self.push_bytes))
+        self.ctl = self.bases[0]
+        self.epochs = self.ctl + self.lay["epochs"]
+        self._arm = None          # `_Solo.arm`'s launch arguments
+
+    fits = peer_memory.Region.fits
+
+    def error_flag(self) -> int:
+        """Rank 0's error word (1 after a wait timed out); synchronous."""
+        return int(self.ctl_words()[3])
+
+    def ctl_words(self) -> np.ndarray:
+        """Rank 0's Ctl (epoch, ticket, done, error) on the host; synchronous."""
+        w = self.bufs[0][:16].view(self.xp.uint32)
+        return np.asarray(w.get() if hasattr(w, "get") else w)
+
+    def flags(self):
+        """Rank 0's flag words, u32[(2P - 1) * max_tiles] (a view)."""
+        off = self.lay["flags"]
+        return self.bufs[0][off:off + 4 * (2 * self.size - 1) * self.max_tiles].view(self.xp.uint32)
+
+    def close(self) -> None:
+        self.bufs, self.table, self._arm = [], None, None
+
+
+def _bits(a, xp):
+    """``a`` viewed as unsigned integers of its size (copies and compares without the dtype)."""
+    return a.view({1: xp.uint8, 2: xp.uint16, 4: xp.uint32}[a.dtype.itemsize])
+
+
+def _ptr(a) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def armed_range(nranks: int, max_tiles: int) -> tuple[int, int, int]:
+    """``(n, lo, hi)``: `arm` sets flags ``[0, n)`` of rank 0's region except ``[lo, hi)``, its own
+    gather slot (P - 1), which only its own kernel writes."""
+    P = nranks
+    return (2 * P - 1) * max_tiles, (P - 1) * max_tiles, P * max_tiles
+
+
+def floor_bytes(family: str, layout, itemsize: int, res_dtype) -> int:
+    """Bytes one rank's kernel of ``family`` (two_shot, one_shot_q) moves through HBM in one
+    all-reduce of ``layout`` (see the module docstring); ``res_dtype`` None: no feedback."""
+    P, S, B, n = layout.nranks, layout.slice_elems, layout.slice_bytes, layout.count
+    R = 0 if res_dtype is None else codec.residual_size(S, res_dtype) * np.dtype(res_dtype).itemsize
+    wire = (4 * P - 3) * B if family == "two_shot" else 2 * P * P * B
+    return 2 * itemsize * n + 2 * P * R + wire
+
+
+@dataclass
+class PeerData:
+    """What P ranks' first call (zero residuals) makes, `peer_data`: ``C`` the contributions,
+    P parts of P slices (rank r's quantized slice v at ``(r * P + v) * B``: one_shot_q's gather),
+    ``G`` the owners' codes, P slices (two-shot's gather); ``x0`` rank 0's input."""
+
+    x0: Any
+    C: Any
+    G: Any
+
+
+def peer_data(k, layout, inputs, res_dtype, owner_ref, xp) -> PeerData:
+    """The wire data of a first call of the P ranks whose inputs are ``inputs(r)``, through the
+    schedules' own steps (the contributions of `schedules.two_shot`, the owner's ``reduce_quantize``) with
+    kernels ``k`` on ``xp`` arrays, each with a zero residual of ``res_dtype`` (None: none);
+    ``owner_ref``: the owner's ``ref_dtype`` (`Residuals.owner_ref`)."""
+    P, B = layout.nranks, layout.slice_bytes
+    S = layout.slice_elems
+    C = xp.zeros(P * P * B, dtype=xp.uint8)
+    res = None if res_dtype is None else xp.zeros(codec.residual_size(S, res_dtype), dtype=res_dtype)
+    own, x0 = [], None
+    for r in range(P):
+        x = inputs(r)
+        for v in range(P):
+            lo, hi = layout.bounds(v)
+            if res is not None:
+                res.view(xp.uint8).fill(0)
+            _quantize(k, layout, x[lo:hi], res, C[(r * P + v) * B:(r * P + v + 1) * B])
+        lo, hi = layout.bounds(r)
+        own.append(_bits(x[lo:hi], xp).copy().view(x.dtype))
+        if r == 0:
+            x0 = x
+        del x
+    G = xp.zeros(P * B, dtype=xp.uint8)
+    inc = xp.zeros(max(P - 1, 1) * B, dtype=xp.uint8)
+    for s in range(P):
+        for i, r in enumerate(q for q in range(P) if q != s):
+            inc[i * B:(i + 1) * B] = C[(r * P + s) * B:(r * P + s + 1) * B]
+        if res is not None:
+            res.view(xp.uint8).fill(0)
+        k.reduce_quantize(layout, incoming=inc if P > 1 else None, own_pos=s, own=own[s], residual=res,
+                          wire_out=G[s * B:(s + 1) * B], ref_dtype=owner_ref)
+    return PeerData(x0, C, G)
+
+
+def expected(k, layout, data: PeerData, family: str, out) -> None:
+    """Rank 0's output of the first call (every rank's): the P-rank all-reduce, into ``out``."""
+    if family == "two_shot":
+        k.dequantize(layout, data.G, out)
+    else:
+        k.dequantize(layout, data.C, out, terms=layout.nranks)
+
+
+def fill(region, layout, data: PeerData) -> list[str]:
+    """Write into rank 0's region of ``region`` what its peers leave there at a call of
+    ``layout`` (see the module docstring), for each kernel family the region has room for;
+    returns those families."""
+    P, B = layout.nranks, layout.slice_bytes
+    buf, lay, done = region.bufs[0], region.lay, []
+    if B <= region.slice_bytes:
+        for s in range(1, P):
+            r0, g0 = lay["recv"] + (s - 1) * B, lay["gather"] + s * B
+            buf[r0:r0 + B] = data.C[s * P * B:(s * P + 1) * B]     # peer s's contribution to slice 0
+            buf[g0:g0 + B] = data.G[s * B:(s + 1) * B]             # owner s's codes
+        done.append("two_shot")
+    if P * P * B <= region.push_bytes:
+        for parity in (0, 1):
+            p0 = lay["push"] + parity * region.push_bytes
+            buf[p0 + P * B:p0 + P * P * B] = data.C[P * B:]          # parts 1..P-1
+        done.append("one_shot_q")
+    return done
+
+
+# ------------------------------------------------------------------------------- on the GPU
+@dataclass
+class Case:
+    """One kernel at one (P, size): its medians (us, one per rep), the check, the kernel run."""
+
+    kernel: str
+    times: list = field(default_factory=list)
+    check: str = ""          # "ok", or what differed; "" before the check ran
+    whole: bool = False      # the whole-slice kernel ran (a "whole" one falls back on ragged slices)
+    fits: bool = True
+
+
+class _Solo:
+    """The arm and spin kernels, compiled once."""
+
+    def __init__(self):
+        import cupy as cp
+
+        mod = cp.RawModule(code=ARM_SOURCE)
+        self.arm_k, self.spin_k = mod.get_function("echo_solo_arm"), mod.get_function("echo_solo_spin")
+
+    def arm(self, region) -> None:
+        """Enqueue the arm of ``region`` (`armed_range`) on the current stream."""
+        got = region._arm          # (grid, args), kept on the region (freed with it)
+        if got is None:
+            n, lo, hi = armed_range(region.size, region.max_tiles)
+            args = (region.bufs[0][:16].view(np.uint32), region.flags(), np.int64(n), np.int64(lo), np.int64(hi))
+            got = region._arm = ((max(1, min(-(-n // 256), 1024)),), args)
+        self.arm_k(got[0], (256,), got[1])
+
+    def spin(self, ns: int) -> None:
+        self.spin_k((1,), (1,), (np.int64(ns),))
+
+    def time_us(self, run, region, iters: int) -> float:
+        """Median of per-launch CUDA-event times (us) of ``run``, armed before each, after 3 warm-ups."""
+        import cupy as cp
+
+        stream = cp.cuda.get_current_stream()
+        for _ in range(3):
+            self.arm(region)
+            run(stream)
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+        self.spin(2_000_000 + 100_000 * iters)      # the host queues every launch meanwhile
+        for a, b in ev:
+            self.arm(region)
+            a.record(stream)
+            run(stream)
+            b.record(stream)
+        ev[-1][1].synchronize()
+        return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]))
+
+
+class PeerTimeout(RuntimeError):
+    pass
+
+
+def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
+             rounding=True, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
+    """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
+    `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P."""
+    import cupy as cp
+
+    import echonccl
+    from echonccl import dtypes, fused
+    from echonccl.kernels_cuda import CudaKernels
+    from echonccl.layout import Layout
+
+    bf16 = dtypes.numpy_dtype("bfloat16")
+    solo, k = _Solo(), CudaKernels()
+    max_bytes = fused.DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
+    results: dict = {}
+
+    def zeros(n, dt):
+        return cp.zeros(n, dtype=dt)
+
+    for P in ranks:
+        for nbytes in sizes:
+            n = nbytes // 2
+            layout = Layout(n, P, codec_name)
+            fb = echonccl.Feedback(residual, rounding=rounding)
+            state = fb.bind((n, P, layout.group, "bfloat16"), layout, bf16, zeros, codec_name)
+            assert state is not None
+            data = peer_data(k, layout, lambda r: cp.random.default_rng(r).standard_normal(n, dtype=cp.float32)
+                             .astype(bf16), state.inputs.dtype, state.owner_ref(bf16, False), cp)
+            x = data.x0
+            out, want = cp.empty_like(x), {}
+            for family in {FAMILY[kn] for kn in kernels}:
+                want[family] = cp.empty_like(x)
+                expected(k, layout, data, family, want[family])
+            paths: dict = {}        # family -> FusedPaths over its own SoloRegion
+            cases = {kn: Case(kn) for kn in kernels}
+            runs = {}
+            for kn in kernels:
+                family = FAMILY[kn]
+                if family not in paths:
+                    p = fused.FusedPaths(SoloComm(P), None, 0, P, timeout, lambda: False, max_bytes)
+                    p.peers.make_region = SoloRegion
+                    if grid:
+                        p.max_blocks = grid
+                    fits = p.two_shot_fits(layout) if family == "two_shot" else p.one_shot_q_fits(layout)
+                    if fits:
+                        assert family in fill(p.peers.regions[-1], layout, data), (family, P, nbytes)
+                    paths[family] = (p, fits)
+                p, fits = paths[family]
+                if not fits:
+                    cases[kn].fits = False
+                    continue
+                p.whole = kn.endswith("whole")
+                prepare = p.prepare_two_shot if family == "two_shot" else p.prepare_one_shot_q
+                run, _ = prepare(layout, x, out, state)
+                runs[kn] = run
+                cases[kn].whole = p.whole and fused._whole_slices(layout, x, out, state)
+                region = p.peers.regions[-1]
+                # the checked first call: zero residuals, as the peers' data assumes
+                for r in (state.inputs, state.output):
+                    _bits(r, cp).fill(0)
+                _bits(out, cp).fill(0)
+                solo.arm(region)
+                run(cp.cuda.get_current_stream())
+                cp.cuda.runtime.deviceSynchronize()
+                _check_timeout(region, P, nbytes, kn)
+                cases[kn].check = _compare(out, want[family])
+            for _ in range(reps):
+                for kn, run in runs.items():
+                    region = paths[FAMILY[kn]][0].peers.regions[-1]
+                    cases[kn].times.append(solo.time_us(run, region, iters))
+                    cp.cuda.runtime.deviceSynchronize()
+                    _check_timeout(region, P, nbytes, kn)
+                    if not _finite_bf16(out):
+                        cases[kn].check += " (non-finite output after the timed calls)"
+            for p, _ in paths.values():
+                p.close()
+            results[(P, nbytes)] = cases
+            del data, x, out, want, runs, paths, state, fb
+            cp.get_default_memory_pool().free_all_blocks()
+        if report is not None:
+            report(P, {key: v for key, v in results.items() if key[0] == P})
+    return results
+
+
+def _check_timeout(region, P, nbytes, kernel) -> None:
+    if region.error_flag():
+        raise PeerTimeout(f"fused_solo: P={P} {nbytes} bytes {kernel}: rank 0 gave up waiting for a flag "
+                          f"(ctl {region.ctl_words().tolist()}): a wait `arm` does not satisfy")
+
+
+def _finite_bf16(a) -> bool:
+    """No Inf or NaN in bfloat16 array ``a`` (by its bits: exponent all ones)."""
+    import cupy as cp
+
+    return not bool(((_bits(a, cp) & 0x7F80) == 0x7F80).any())
+
+
+def _compare(out, want) -> str:
+    """"ok" when the bfloat16 arrays have the same bits, else how many and the first few differ."""
+    import cupy as cp
+
+    a, b = _bits(out, cp), _bits(want, cp)
+    diff = a != b
+    bad = int(diff.sum())
+    if not bad:
+        return "ok"
+    at = cp.nonzero(diff)[0][:4]
+    got, exp = (cp.asnumpy(v[at]).view(out.dtype).astype(np.float32) for v in (a, b))
+    return (f"{bad} of {out.size} elements differ from the reference (first at {cp.asnumpy(at).tolist()}: "
+            f"{got.tolist()} against {exp.tolist()})")
+
+
+# -------------------------------------------------------------------------------- the table
+def table(P, cases_by_size, kernels, iters, copy_tbs, floors) -> str:
+    """Markdown: times (us, one per rep), then the floors and implied bandwidths."""
+    from echonccl.perf.options import format_size
+
+    lines = [f"## P = {P}: rank 0 alone, us per all-reduce (median of {iters}; one per rep)", "",
+             "| size | " + " | ".join(kernels) + " |", "|---:|" + "---:|" * len(kernels)]
+    for nbytes, cases in cases_by_size:
+        cells = []
+        for kn in kernels:
+            c = cases[kn]
+            cell = " / ".join(f"{t:.1f}" for t in c.times) if c.fits else "-"
+            if c.fits and c.check != "ok":
+                cell += " (!)"
+            if kn.endswith("whole") and c.fits and not c.whole:
+                cell += " (general)"
+            cells.append(cell)
+        lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
+    fams = [f for f in ("two_shot", "one_shot_q") if any(FAMILY[kn] == f for kn in kernels)]
+    lines += ["", f"HBM: bytes rank 0's kernel moves per element, their time at the copy rate ({copy_tbs:.2f} TB/s), "
+              "and the bandwidth each kernel's best rep implies (% of the copy rate):", "",
+              "| size | " + " | ".join(f"{_SHORT_FAMILY[f]} B/elem | {_SHORT_FAMILY[f]} floor us" for f in fams)
+              + " | " + " | ".join(f"{kn} TB/s" for kn in kernels) + " |",
+              "|---:|" + "---:|" * (2 * len(fams) + len(kernels))]
+    for nbytes, cases in cases_by_size:
+        fl = floors[(P, nbytes)]
+        cells = [f"{fl[f][1]:.2f} | {fl[f][0] / copy_tbs / 1e6:.1f}" for f in fams]
+        for kn in kernels:
+            c = cases[kn]
+            if not c.fits or not c.times:
+                cells.append("-")
+                continue
+            tbs = fl[FAMILY[kn]][0] / min(c.times) / 1e6
+            cells.append(f"{tbs:.2f} ({100 * tbs / copy_tbs:.0f}%)")
+        lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8], help="P: rank 0 of a P-rank all-reduce")
+    p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
+    p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
+    p.add_argument("--rounding", default="on", choices=("on", "off"),
+                   help="Feedback(rounding=): the owner's output rounding in its residual (default on)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the whole GPU's)")
+    p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
+    p.add_argument("--max-bytes", default=None, help="largest region (default: the communicator's, 4G)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
+    a = p.parse_args(argv)
+
+    import cupy as cp
+
+    from echonccl import dtypes, fused
+    from echonccl.kernel_table import FUSED_BLOCKS_PER_SM
+    from echonccl.layout import Layout
+    from echonccl.perf.options import parse_size
+    from kernel_bench import copy_bandwidth
+
+    if a.tiles:
+        peer_memory.TILES = a.tiles
+    if any(not 2 <= P <= peer_memory.MAX_RANKS for P in a.ranks):
+        p.error(f"--ranks: 2 to {peer_memory.MAX_RANKS}")
+    sizes = [parse_size(s) for s in a.sizes]
+    max_bytes = fused.DEFAULT_MAX_BYTES if a.max_bytes is None else parse_size(a.max_bytes)
+    dev = cp.cuda.runtime.getDevice()
+    grid = a.grid or FUSED_BLOCKS_PER_SM * cp.cuda.Device(dev).attributes["MultiProcessorCount"]
+    copy_tbs = copy_bandwidth(1 << 30, a.iters)
+    cp.get_default_memory_pool().free_all_blocks()
+    bf16 = dtypes.numpy_dtype("bfloat16")
+    res_dt = codec.residual_dtype(a.residual, bf16)
+    floors = {}
+    for P in a.ranks:
+        for nbytes in sizes:
+            L = Layout(nbytes // 2, P, a.codec)
+            floors[(P, nbytes)] = {f: (b, b / L.count) for f in ("two_shot", "one_shot_q")
+                                   for b in [floor_bytes(f, L, 2, res_dt)]}
+    print(f"# fused kernels, one rank alone on one GPU (rank 0 of P; peers' data pre-filled), {a.codec}, bf16, "
+          f"{a.residual} residuals, rounding {a.rounding}, grid {grid}, device-to-device copy {copy_tbs:.2f} TB/s",
+          flush=True)
+    mismatches: list[str] = []
+
+    def report(P, res):
+        rows = [(nbytes, res[(P, nbytes)]) for nbytes in sizes]
+        print(table(P, rows, a.kernels, a.iters, copy_tbs, floors) + "\n", flush=True)
+        mismatches.extend(f"P={P} {nbytes} bytes {c.kernel}: {c.check}"
+                          for nbytes, cases in rows for c in cases.values() if c.fits and c.check != "ok")
+
+    try:
+        run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
+                 a.timeout, max_bytes, report)
+    except PeerTimeout as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print("# check: rank 0's first call against the P-rank reference all-reduce of the same inputs: "
+          + ("bit for bit, every case" if not mismatches else "MISMATCH"), flush=True)
+    for m in mismatches:
+        print("#   " + m)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
