@@ -116,6 +116,9 @@ class CudaKernels:
         n_in = 0 if incoming is None else incoming.size // B
         out_codec = layout.codec if out_layout is None else out_layout.codec
         pair = layout.codec if out_codec == layout.codec else f"{layout.codec}/{out_codec}"
+        if self.check and out_layout is not None and (out_layout.slice_elems != S
+                                                      or pair not in (layout.codec, *kt.PAIRS)):
+            raise ValueError(f"out_layout must slice as layout does, in {layout.codec} or a pair of {kt.PAIRS}")
         key = (own.dtype, None if residual is None else residual.dtype, ref_dtype, pair)
         kern = self._rq.get(key) or self._rq_kernel(key)
         if residual is None:
@@ -131,9 +134,6 @@ class CudaKernels:
             if residual is not None and (residual.size != codec.residual_size(S, residual.dtype)
                                          or residual.strides[0] != residual.itemsize):
                 raise ValueError(f"residual must be a contiguous 1-D view of {S} residuals")
-            if out_layout is not None and (out_layout.slice_elems != S
-                                           or pair not in (layout.codec, *kt.PAIRS)):
-                raise ValueError(f"out_layout must slice as layout does, in a codec of {kt.PAIRS}")
             B_out = B if out_layout is None else out_layout.slice_bytes
             if wire_out.size < B_out or wire_out.data.ptr & 3 or (n_in and incoming.data.ptr & 3):
                 raise ValueError("wire buffers must be 4-byte aligned and hold a whole slice")

@@ -26,7 +26,7 @@ from test_properties import simulate
 BF16 = dtypes.numpy_dtype("bfloat16")
 CASES = [(P, n, cd, rdt, rounding)
          for P, n in ((2, 2 * 4096), (3, 5000), (4, 4 * 2048), (4, 3001))
-         for cd in ("int4-h32", "int4")
+         for cd in ("int4-h32", "int4", codec.MIXED)
          for rdt, rounding in (("input", True), ("float32", False), ("int8", True))]
 
 
@@ -93,7 +93,7 @@ class _Sizes:
 def _region(P, layout, family, make=functools.partial(fused_solo.SoloRegion, xp=np)):
     """The SoloRegion `FusedPaths` would get for ``layout`` (its `PeerMemory` growth rule)."""
     pm = PeerMemory(fused_solo.SoloComm(P), None, fused.DEFAULT_MAX_BYTES, make_region=make)
-    sb, nt, pb = ((layout.slice_bytes, fused_tiles(layout.slice_elems), 0) if family == "two_shot"
+    sb, nt, pb = ((fused._two_shot_slot(layout), fused_tiles(layout.slice_elems), 0) if family == "two_shot"
                   else fused._one_shot_q_needs(layout))
     return pm.region_for(sb, nt, push_bytes=pb)
 
@@ -102,7 +102,7 @@ def _region(P, layout, family, make=functools.partial(fused_solo.SoloRegion, xp=
 def test_fill_lies_where_rank_0s_kernel_reads(P, n, cd, rdt, rounding):
     """Rank 0's fused kernels emulated from what they read through its `PeerTable`
     (cuda_src/fused.cuh): two-shot: recv[0] + slot * B (P - 1 contributions), own slice and
-    output residual, gather[0] + s * B for the owners s >= 1; one_shot_q: push[0] + parity *
+    output residual, gather[0] + s * Bs for the owners s >= 1 (Bs: the sums' slice bytes); one_shot_q: push[0] + parity *
     push_half + s * P * B for s >= 1 at either parity, its own part quantized here. Both give the
     schedules' all-reduce."""
     layout, states, data = _setup(P, n, cd, rdt, rounding)
@@ -113,14 +113,16 @@ def test_fill_lies_where_rank_0s_kernel_reads(P, n, cd, rdt, rounding):
     assert "two_shot" in fused_solo.fill(region, layout, data)
     t, at = region.table, _Addr(region)
     assert [int(t[s]) for s in range(P)] == [b + region.lay["recv"] for b in region.bases]
-    g = np.zeros(P * B, np.uint8)
+    sums = layout.sums                  # the owners' codes: a mixed codec's int7-h32
+    Bs = sums.slice_bytes
+    g = np.zeros(P * Bs, np.uint8)
     lo, hi = layout.bounds(0)
-    k.reduce_quantize(layout, at(int(t[0]), (P - 1) * B).copy(), 0, x0[lo:hi], st.output.copy(), g[:B],
-                      st.owner_ref(BF16, False))
+    k.reduce_quantize(layout, at(int(t[0]), (P - 1) * B).copy(), 0, x0[lo:hi], st.output.copy(), g[:Bs],
+                      st.owner_ref(BF16, False), out_layout=sums)
     for s in range(1, P):
-        g[s * B:(s + 1) * B] = at(int(t[MAX_RANKS]) + s * B, B)
+        g[s * Bs:(s + 1) * Bs] = at(int(t[MAX_RANKS]) + s * Bs, Bs)
     out = np.empty(n, BF16)
-    k.dequantize(layout, g, out)
+    k.dequantize(sums, g, out)
     assert out.view(np.uint16).tobytes() == ref.view(np.uint16).tobytes()
 
     ref = _reference("one_shot_q", P, n, cd, rdt, rounding)
@@ -189,6 +191,9 @@ def test_floor_bytes():
     L8 = Layout(1 << 20, 8, "int4-h32")
     assert fused_solo.floor_bytes("two_shot", L8, 2, np.dtype(np.float32)) == 12 * n + 29 * L8.slice_bytes
     assert fused_solo.floor_bytes("one_shot_q", L8, 2, None) == 4 * n + 128 * L8.slice_bytes
+    M = Layout(1 << 20, 2, codec.MIXED)        # contributions of B bytes, sums of S bytes (int7-h32)
+    assert M.sums.slice_bytes == M.slice_elems and M.slice_bytes == B
+    assert fused_solo.floor_bytes("two_shot", M, 2, BF16) == 8 * n + 2 * B + 3 * M.slice_elems
 
 
 def test_solo_region_is_what_fused_paths_uses():

@@ -45,9 +45,10 @@ prints ``-``: the communicator would take the NCCL path for it.
 
 Byte floor (`floor_bytes`): what one rank's kernel moves through HBM per all-reduce of n
 elements, t bytes each, slices of S elements and B wire bytes, residual slices of R bytes: input
-read and output written 2 t n, residuals read and written 2 P R; wire, two-shot (4P - 3) B (recv:
-P - 1 slices written by the peers, read; gather: the own slice written, P - 1 written by the
-owners, read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
+read and output written 2 t n, residuals read and written 2 P R; wire, two-shot 2 (P - 1) B
++ (2P - 1) Bs with Bs the sums' slice bytes (B, or a mixed codec's int7-h32 ones) (recv: P - 1
+slices written by the peers, read; gather: the own slice written, P - 1 written by the owners,
+read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
 P GPUs (there the peers write the wire slices into this HBM; here rank 0 writes them into the
 peers' regions, in the same HBM). Implied bandwidth: those bytes over the best rep's median.
 """
@@ -163,8 +164,9 @@ def floor_bytes(family: str, layout, itemsize: int, res_dtype) -> int:
     """Bytes one rank's kernel of ``family`` (two_shot, one_shot_q) moves through HBM in one
     all-reduce of ``layout`` (see the module docstring); ``res_dtype`` None: no feedback."""
     P, S, B, n = layout.nranks, layout.slice_elems, layout.slice_bytes, layout.count
+    Bs = layout.sums.slice_bytes
     R = 0 if res_dtype is None else codec.residual_size(S, res_dtype) * np.dtype(res_dtype).itemsize
-    wire = (4 * P - 3) * B if family == "two_shot" else 2 * P * P * B
+    wire = 2 * (P - 1) * B + (2 * P - 1) * Bs if family == "two_shot" else 2 * P * P * B
     return 2 * itemsize * n + 2 * P * R + wire
 
 
@@ -172,7 +174,7 @@ def floor_bytes(family: str, layout, itemsize: int, res_dtype) -> int:
 class PeerData:
     """What P ranks' first call (zero residuals) makes, `peer_data`: ``C`` the contributions,
     P parts of P slices (rank r's quantized slice v at ``(r * P + v) * B``: one_shot_q's gather),
-    ``G`` the owners' codes, P slices (two-shot's gather); ``x0`` rank 0's input."""
+    ``G`` the owners' codes, P slices of the sums' layout (two-shot's gather); ``x0`` rank 0's input."""
 
     x0: Any
     C: Any
@@ -201,7 +203,9 @@ def peer_data(k, layout, inputs, res_dtype, owner_ref, xp) -> PeerData:
         if r == 0:
             x0 = x
         del x
-    G = xp.zeros(P * B, dtype=xp.uint8)
+    sums = layout.sums
+    Bs = sums.slice_bytes
+    G = xp.zeros(P * Bs, dtype=xp.uint8)
     inc = xp.zeros(max(P - 1, 1) * B, dtype=xp.uint8)
     for s in range(P):
         for i, r in enumerate(q for q in range(P) if q != s):
@@ -209,14 +213,14 @@ def peer_data(k, layout, inputs, res_dtype, owner_ref, xp) -> PeerData:
         if res is not None:
             res.view(xp.uint8).fill(0)
         k.reduce_quantize(layout, incoming=inc if P > 1 else None, own_pos=s, own=own[s], residual=res,
-                          wire_out=G[s * B:(s + 1) * B], ref_dtype=owner_ref)
+                          wire_out=G[s * Bs:(s + 1) * Bs], ref_dtype=owner_ref, out_layout=sums)
     return PeerData(x0, C, G)
 
 
 def expected(k, layout, data: PeerData, family: str, out) -> None:
     """Rank 0's output of the first call (every rank's): the P-rank all-reduce, into ``out``."""
     if family == "two_shot":
-        k.dequantize(layout, data.G, out)
+        k.dequantize(layout.sums, data.G, out)
     else:
         k.dequantize(layout, data.C, out, terms=layout.nranks)
 
@@ -225,13 +229,13 @@ def fill(region, layout, data: PeerData) -> list[str]:
     """Write into rank 0's region of ``region`` what its peers leave there at a call of
     ``layout`` (see the module docstring), for each kernel family the region has room for;
     returns those families."""
-    P, B = layout.nranks, layout.slice_bytes
+    P, B, Bs = layout.nranks, layout.slice_bytes, layout.sums.slice_bytes
     buf, lay, done = region.bufs[0], region.lay, []
-    if B <= region.slice_bytes:
+    if max(B, Bs) <= region.slice_bytes:
         for s in range(1, P):
-            r0, g0 = lay["recv"] + (s - 1) * B, lay["gather"] + s * B
+            r0, g0 = lay["recv"] + (s - 1) * B, lay["gather"] + s * Bs
             buf[r0:r0 + B] = data.C[s * P * B:(s * P + 1) * B]     # peer s's contribution to slice 0
-            buf[g0:g0 + B] = data.G[s * B:(s + 1) * B]             # owner s's codes
+            buf[g0:g0 + Bs] = data.G[s * Bs:(s + 1) * Bs]         # owner s's codes
         done.append("two_shot")
     if P * P * B <= region.push_bytes:
         for parity in (0, 1):
