@@ -13,10 +13,11 @@ pytestmark = needs_gpus(1)
 WHOLE, RAGGED = 1 << 20, 1_000_000         # bytes of bf16 input: 2^19 elements, and 500000
 
 
-def test_solo_rank_finishes_alone_and_matches_the_reference():
+@pytest.mark.parametrize("cd", ["int4-h32", "int4-h32/int7-h32"])
+def test_solo_rank_finishes_alone_and_matches_the_reference(cd):
     import fused_solo
 
-    res = fused_solo.run_solo([2, 4], [WHOLE, RAGGED], iters=3, reps=2, timeout=5.0)
+    res = fused_solo.run_solo([2, 4], [WHOLE, RAGGED], codec_name=cd, iters=3, reps=2, timeout=5.0)
     assert sorted(res) == [(P, b) for P in (2, 4) for b in sorted((WHOLE, RAGGED))]
     for (P, nbytes), cases in res.items():
         for kn, c in cases.items():
