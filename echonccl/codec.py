@@ -178,7 +178,7 @@ import numpy as np
 WIRE_CODECS = ("int4", "int4-h32", "int7-h32")      # the wire formats of one slice
 MIXED = "int4-h32/int7-h32"                         # int4-h32 contributions, int7-h32 sums
 CODECS = (*WIRE_CODECS, MIXED)
-DEFAULT_CODEC = "int4-h32"
+DEFAULT_CODEC = MIXED
 ROT_BLOCK = 32
 ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512

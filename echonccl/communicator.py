@@ -153,10 +153,10 @@ class Communicator:
     ``device`` picks the GPU (default: the node-local rank) and becomes the current
     device of the calling thread: create the communicator before the arrays it reduces.
     ``cache_bytes`` bounds the workspaces and default feedback states kept for sizes not
-    in use (README "Memory"). ``codec``: ``"int4-h32"`` (default: each 32-element block
-    rotated by a signed Hadamard transform before quantizing, about 3x less perplexity loss
-    on a real model at the same bytes), ``"int4"``, or ``"int7-h32"`` (the 8-bit accuracy
-    mode: 7-bit codes and a bfloat16 scale per 16 elements, rotated; `codec`). ``feedback_rounding``:
+    in use (README "Memory"). ``codec`` (`codec`, README "Codecs"): ``"int4-h32/int7-h32"``
+    (default: 4-bit contributions, each 32-element block rotated by a signed Hadamard transform,
+    and 8-bit sums), ``"int4-h32"`` (4-bit both ways: the fewest bytes), ``"int4"`` (unrotated),
+    or ``"int7-h32"`` (8-bit both ways: 7-bit codes and a bfloat16 scale per 16, rotated). ``feedback_rounding``:
     the ``rounding`` of the feedback states this communicator makes (`Feedback`; default True).
     ``fused``: False keeps the GPU engine off peer-memory kernels (every schedule over NCCL).
     Each option's ``ECHONCCL_*`` variable, when set, overrides it (`config`, `settings`).

@@ -15,9 +15,12 @@ line per kernel of this table, so the CUDA entry points and the names the launch
   int4-h32 contributions, int7-h32 sums) the owner's reduce_quantize and the fused two-shot (the
   rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
   its output is a run-time argument.
-* `PREBUILT`: the default codec's kernels and the one-shots: what ``python -m echonccl.build`` and
-  the wheel compile ahead of time (`echonccl.build`). The other codecs' kernels are compiled on
-  demand, one at a time, the first time a call needs them (`echonccl.kernel_loader`).
+* `PREBUILT`: the kernels of the default options (the default codec, `default_options`: residuals
+  of the input's type or none, the owner's rounding in its residual) for every data type, and
+  the one-shots: what ``python -m echonccl.build`` and the wheel compile ahead of time
+  (`echonccl.build`). The rest (other codecs, int8 or float32 residuals of 16-bit data,
+  ``rounding=False``) are compiled on demand, one at a time, the first time a call needs them
+  (`echonccl.kernel_loader`).
 
 This module imports nothing outside the standard library (the wheel build runs it).
 """
@@ -38,11 +41,11 @@ DQ_BLOCKS_PER_SM = 16       # grid of the standalone dequantize (blocks per SM, 
 
 # ------------------------------------------------------------------------ the table
 DTYPES = ("f16", "bf16", "f32")
-DEFAULT_CODEC = "int4-h32"
 # wire codec -> (echo::kInt4 / kInt4H32 / kInt7H32, group size); codec.py is the format's definition
 # (tests/test_kernel_table.py checks the two agree)
 CODECS = {"int4": (0, 32), "int4-h32": (1, 32), "int7-h32": (2, 16)}
 PAIRS = ("int4-h32/int7-h32",)       # contributions' codec / sums' codec (codec.MIXED)
+DEFAULT_CODEC = PAIRS[0]
 FAMILIES = ("reduce_quantize", "dequantize", "dequantize_sum", "two_shot", "one_shot_q", "one_shot", "one_shot_ll")
 FUSED_FAMILIES = ("two_shot", "one_shot_q", "one_shot", "one_shot_ll")
 
@@ -139,13 +142,24 @@ BY_NAME: dict[str, Kernel] = {k.name: k for k in ALL}
 
 def kernels_of(codec: str) -> tuple[Kernel, ...]:
     """Every kernel an all-reduce in ``codec`` can run, any schedule, type and residual: a pair's
-    own kernels, its contributions' codec's and its sums' decodes."""
+    own kernels (its owner and fused two-shot), its contributions' codec's others and its sums'
+    decodes."""
     first, _, second = codec.partition("/")
-    return tuple(k for k in ALL if k.codec in (first, codec)
+    return tuple(k for k in ALL if k.codec == codec
+                 or (k.codec == first and not (second and k.family == "two_shot"))
                  or (k.codec == second and k.family in ("dequantize", "dequantize_sum")))
 
 
-_DEFAULT_KERNELS = set(kernels_of(DEFAULT_CODEC))
+def default_options(k: Kernel) -> bool:
+    """Whether ``k`` serves the default options of its codec: residuals of the input's type
+    (``Feedback()``) or none (the float32 instantiation stands in), the owner's output rounding
+    in its residual; not int8 or float32 residuals of 16-bit data, nor ``rounding=False``."""
+    if k.res == "i8" or (k.family == "two_shot" and k.ref == "f32"):
+        return False
+    return not (k.family == "reduce_quantize" and k.res == "f32" and k.ref != "f32")
+
+
+_DEFAULT_KERNELS = {k for k in kernels_of(DEFAULT_CODEC) if default_options(k)}
 PREBUILT: tuple[Kernel, ...] = tuple(k for k in ALL if k.codec == "" or k in _DEFAULT_KERNELS)
 
 

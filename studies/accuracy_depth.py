@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 import reducers  # noqa: E402  (studies/, beside this script)
 from plots import panels_per_codec  # noqa: E402
 
-from echonccl.codec import CODECS  # noqa: E402
+from echonccl.codec import CODECS, DEFAULT_CODEC  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
@@ -59,8 +59,8 @@ VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=128, help="depth L (<= 128 in the documented runs)")
-    p.add_argument("--codecs", nargs="+", choices=list(CODECS), default=["int4-h32"],
-                   help="the echonccl codecs to run (default: int4-h32, the library's default)")
+    p.add_argument("--codecs", nargs="+", choices=list(CODECS), default=[DEFAULT_CODEC],
+                   help=f"the echonccl codecs to run (default: {DEFAULT_CODEC}, the library's default)")
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the terms handed to echonccl")

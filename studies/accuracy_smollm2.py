@@ -41,7 +41,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import reducers  # noqa: E402  (studies/, beside this script)
-from echonccl.codec import CODECS  # noqa: E402
+from echonccl.codec import CODECS, DEFAULT_CODEC  # noqa: E402
 import smollm2  # noqa: E402
 import tp_llama as tl  # noqa: E402
 from plots import panels_per_codec  # noqa: E402
@@ -56,8 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=0, help="sequences per forward pass (0: all in one)")
-    p.add_argument("--codecs", nargs="+", choices=list(CODECS), default=["int4-h32"],
-                   help="the echonccl codecs to run (default: int4-h32, the library's default)")
+    p.add_argument("--codecs", nargs="+", choices=list(CODECS), default=[DEFAULT_CODEC],
+                   help=f"the echonccl codecs to run (default: {DEFAULT_CODEC}, the library's default)")
     p.add_argument("--methods", nargs="+", default=["exact", "bf16", "plain", "two_shot", "ring"],
                    choices=["exact", "bf16", "plain", "two_shot", "ring", "one_shot_q"],
                    help="exact is always run first")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_mpi
+from echonccl import codec
 
 
 def _run(study: str, args: list[str], timeout: float):
@@ -28,7 +29,7 @@ def test_depth_feedback_bounds_stream_error(tmp_path):
     _run("accuracy_depth.py", ["--layers", "128", "--json", str(out), "--check"], timeout=300)
     res = json.loads(out.read_text())
     assert res["depths"][0] == 1 and res["depths"][-1] == 128
-    for g in ("int4-h32",):
+    for g in (codec.DEFAULT_CODEC,):
         for algo in ("two_shot", "ring", "two_shot x2"):
             e = res["errors"][f"{algo} {g}"]
             assert e[-1] <= 1.5 * e[0], f"echonccl {algo} {g}: depth-128 error {e[-1]:.3g} vs depth-1 {e[0]:.3g}"
@@ -106,12 +107,13 @@ def test_smollm2_quick(tmp_path):
     assert abs(rows["exact TP (fp64 sum)"]["ppl"] / ref - 1) < 1e-4, "the TP split does not reproduce the model"
     assert rows["exact TP (fp64 sum)"]["agree"] == 1.0
     assert abs(rows["bf16 (NCCL-style)"]["ppl"] / ref - 1) < 0.01
-    plain = rows["plain 4-bit two_shot int4-h32"]
+    g = codec.DEFAULT_CODEC
+    plain = rows[f"plain 4-bit two_shot {g}"]
     for algo in ("two_shot", "ring"):
-        echo = rows[f"echonccl {algo} int4-h32"]
+        echo = rows[f"echonccl {algo} {g}"]
         assert echo["agree"] >= plain["agree"], (algo, echo, plain)
         assert echo["ppl"] < plain["ppl"], (algo, echo, plain)
-        flush, two = rows[f"echonccl {algo} int4-h32 + flush"], rows[f"echonccl {algo} int4-h32 x2"]
+        flush, two = rows[f"echonccl {algo} {g} + flush"], rows[f"echonccl {algo} {g} x2"]
         assert flush["ppl"] < echo["ppl"] and flush["agree"] >= echo["agree"], (algo, flush, echo)
         # two rounds per call: the targets (2%, 97%), with margin for 126 predictions
         assert abs(two["ppl"] / ref - 1) < 0.03 and two["agree"] >= 0.95, (algo, two)

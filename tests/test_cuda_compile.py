@@ -66,13 +66,14 @@ def test_prebuilt_kernels_for_each_architecture(prebuilt):
 
 # Spill bytes (stored + loaded) ptxas reports on sm_90, at most: none in the standalone kernels,
 # except int4-h32's float32 owner with float32 residuals, which runs a 32-element block a thread
-# (reduce_quantize.cuh, kBlock32Rq) and was measured faster so: 68 bytes. The fused kernels
+# (reduce_quantize.cuh, kBlock32Rq) and was measured faster so, and int7-h32's 16-bit decodes
+# (kernels.cuh, kDqMinBlocks): 68 bytes. The fused kernels
 # (80 registers) spill a little in their loop control and their phases; the default path's
 # (bfloat16, whole slices) is held to what it spilled when it was last measured.
-_DEFAULT_FUSED = {"echo_two_shot_bf16_resbf16_int4_h32_whole": 40,
-                  "_ZN4echo12phase_reduceINS_6bf16_tES1_S1_Li32ELi1ELi32ELi1ELb1E": 96,
+_DEFAULT_FUSED = {"echo_two_shot_bf16_resbf16_int4_h32_int7_h32_whole": 92,
+                  "_ZN4echo12phase_reduceINS_6bf16_tES1_S1_Li16ELi2ELi32ELi1ELb1E": 156,
                   "_ZN4echo16phase_contributeINS_6bf16_tES1_Li32ELi1ELb1E": 0,
-                  "_ZN4echo12phase_decodeINS_6bf16_tELi32ELi1ELb1E": 16}
+                  "_ZN4echo12phase_decodeINS_6bf16_tELi16ELi2ELb1E": 32}
 
 
 @pytest.mark.nvcc
@@ -84,13 +85,16 @@ def test_registers_and_spills(prebuilt):
         if k.fused:
             # launched FUSED_BLOCKS_PER_SM (3) blocks of 256 per SM, all resident at once
             assert r <= 65536 // (kt.BLOCK * kt.FUSED_BLOCKS_PER_SM), (k.name, r)
-        elif k.family == "reduce_quantize":
-            block32 = k.ref == k.dtype and k.res in ("f32", k.dtype)      # kBlock32Rq: 2 blocks a SM
-            assert r <= (128 if block32 else 80 if k.dtype == "f32" else 64), (k.name, r)
+        elif k.family == "reduce_quantize":      # kRqMinBlocks, by the codec it writes
+            written = k.codec.rpartition("/")[2]
+            block32 = written == "int4-h32" and k.ref == k.dtype and k.res in ("f32", k.dtype)   # 2 blocks a SM
+            assert r <= (128 if block32 else 80 if k.dtype == "f32" or written == "int7-h32" else 64), (k.name, r)
         else:
             assert r <= 64, (k.name, r)
     standalone = {k.name: spills.get(k.name, 0) for k in kt.PREBUILT if not k.fused}
     assert standalone.pop("echo_reduce_quantize_f32_resf32_reff32_int4_h32") <= 68
+    for t in ("f16", "bf16"):                # int7-h32's decodes at 32 registers (kDqMinBlocks)
+        assert standalone.pop(f"echo_dequantize_{t}_int7_h32") <= 68
     assert not any(standalone.values()), {n: v for n, v in standalone.items() if v}
     for prefix, most in _DEFAULT_FUSED.items():
         got = [v for f, v in spills.items() if f.startswith(prefix)]

@@ -154,7 +154,7 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
                    help="feedback residual format (default input: the data's dtype, echonccl's default; "
                    "float32; int8: 8-bit blocks)")
     e.add_argument("--codec", choices=CODECS, default=None,
-                   help="wire codec (default: the communicator's, int4-h32 unless ECHONCCL_CODEC says)")
+                   help="wire codec (default: the communicator's, int4-h32/int7-h32 unless ECHONCCL_CODEC says)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
     e.add_argument("--rounds", type=_int_arg(1), default=1, metavar="R",
                    help="4-bit rounds per all-reduce (default 1; R > 1 also sends the residuals, "
