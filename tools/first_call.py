@@ -9,7 +9,7 @@ does on a fresh node), all sharing one empty kernel cache (``CUPY_CACHE_DIR``,
 with that cache warm. Each process times, from its first line: ``import echonccl``; creating a
 `Communicator` on ``MPI.COMM_SELF`` (NCCL's initialization; one GPU cannot hold an NCCL
 communicator of several ranks, so each process makes its own); loading the kernels a first
-all-reduce with default options loads (`FIRST_CALL`: the fused two-shot and the 16-bit one-shots
+all-reduce with default options loads (`first_call_kernels`: the fused two-shot and the 16-bit one-shots
 ``auto`` picks between over peer memory, and the NCCL path's three codec kernels: a superset of
 any one call's); and one all-reduce. ``--jit`` loads those kernels without the prebuilt fatbin
 (compiled on demand: one process of the node compiles, the others wait for it).
@@ -31,10 +31,17 @@ from pathlib import Path
 T0 = time.perf_counter()
 TOOLS = Path(__file__).resolve().parent
 
-# What a first bf16 all-reduce with default options loads, on either path.
-FIRST_CALL = ("echo_two_shot_bf16_resbf16_int4_h32_whole", "echo_one_shot_ll_bf16", "echo_one_shot_bf16",
-              "echo_reduce_quantize_bf16_resbf16_reff32_int4_h32", "echo_reduce_quantize_bf16_resbf16_refbf16_int4_h32",
-              "echo_dequantize_bf16_int4_h32")
+def first_call_kernels() -> tuple[str, ...]:
+    """What a first bf16 all-reduce with default options loads, on either path: the fused
+    two-shot, the two 16-bit one-shots, the NCCL path's contribution, owner and decode kernels."""
+    from echonccl import codec
+    from echonccl import kernel_table as kt
+
+    d = codec.DEFAULT_CODEC
+    contributions, sums = codec.parts(d)
+    return (kt.Kernel("two_shot", "bf16", d, "bf16", whole=True).name, kt.Kernel("one_shot_ll", "bf16").name,
+            kt.Kernel("one_shot", "bf16").name, kt.Kernel("reduce_quantize", "bf16", contributions, "bf16", "f32").name,
+            kt.Kernel("reduce_quantize", "bf16", d, "bf16", "bf16").name, kt.Kernel("dequantize", "bf16", sums).name)
 
 
 def child(jit: bool) -> None:
@@ -51,7 +58,7 @@ def child(jit: bool) -> None:
     times["communicator"] = time.perf_counter() - t
     t = time.perf_counter()
     loader = kernel_loader.KernelLoader(None) if jit else kernel_loader.LOADER
-    for name in FIRST_CALL:
+    for name in first_call_kernels():
         loader.function(name)
     times["kernels"] = time.perf_counter() - t
     t = time.perf_counter()
