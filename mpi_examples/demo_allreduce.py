@@ -4,8 +4,9 @@
 
 Each layer, every rank contributes a partial sum (heavy-tailed, as a transformer block's output
 is) and the stream adds their all-reduce. Three all-reduces run side by side on the same partial
-sums: a 16-bit sum (what NCCL moves), a plain 4-bit one (no feedback), and echonccl's 4-bit one
-with error feedback. Printed: each one's wire bits per element and the stream's relative error
+sums: a 16-bit sum (what NCCL moves), a plain quantized one (no feedback), and echonccl's (the
+default codec: 4-bit contributions, 8-bit sums) with error feedback. Printed: each one's wire bits
+per element (the mean of a two-shot's two passes) and the stream's relative error
 against the exact float64 stream after 1, 4, 16, 64 and 128 layers (plain 4-bit's grows with
 depth, echonccl's stays at one call's), then the time of one all-reduce against the baseline's
 (NCCL on GPUs, MPI on CPUs). Runs on the default engine (GPU + NCCL when cupy sees a GPU).
@@ -75,13 +76,14 @@ comm.close()
 
 if comm.rank == 0:
     layout = echonccl.Layout(N, comm.size, comm.config.codec)
-    four = f"{8 * layout.slice_bytes / layout.slice_elems:g}"      # codes and scales, bits an element
+    # codes and scales, bits an element a pass: the mean of the contributions' and the sums' (4.5, 8)
+    four = f"{8 * (layout.slice_bytes + layout.sums.slice_bytes) / (2 * layout.slice_elems):g}"
     wire = {"bf16": "16", "plain": four, "echonccl": four}
     print(f"echonccl demo: {comm.size} ranks, {comm.engine.describe()}; a residual stream of {LAYERS} layers, "
           f"{N} elements a layer, partial sums in {np.dtype(dtype).name}")
     print(f"{'all-reduce':28s} {'wire bits':>9s}   stream error after layer " + "".join(f"{d:>9d}" for d in DEPTHS))
     for name, label in (("bf16", "16-bit sum (NCCL)"), ("plain", "plain 4-bit, no feedback"),
-                        ("echonccl", "echonccl 4-bit + feedback")):
+                        ("echonccl", "echonccl + feedback")):
         print(f"{label:28s} {wire[name]:>9s}   {'':25s}" + "".join(f"{errors[name][d]:9.1e}" for d in DEPTHS))
     base = "NCCL" if gpu else "MPI"
     print(f"one all-reduce of {N} {np.dtype(dtype).name}: echonccl {times['echonccl'] * 1e3:.2f} ms, "
