@@ -117,7 +117,7 @@ def _launch_checks(n: int, args: list, extra_env, launcher_args, timeout: float)
     def read_out():
         for line in proc.stdout:
             out.append(line)
-            if line.startswith("OK "):
+            if "OK " in line:
                 last_ok[0] = time.monotonic()
 
     readers = [threading.Thread(target=read_out, daemon=True),
