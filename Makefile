@@ -17,12 +17,14 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 # The CI command: the type check and every test but the long `slow` runs (multi-rank ones under
-# mpiexec, the wheel, nvcc compiles: one compile per run, kept by fingerprint in build/nvcc-cache).
+# mpiexec, several checks a launch; the wheel; nvcc compiles: one compile per run, kept by
+# fingerprint in build/nvcc-cache). Every multi-rank check runs at 2 ranks and at 3 or more.
 test: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra -m "not slow"
 
-# Everything, the `slow` runs included (8 ranks oversubscribed, the longer hypothesis runs).
+# Everything, the `slow` runs included: the multi-rank checks again at 4 ranks (tests/test_multirank.py,
+# tests/test_properties.py) and telescoping at 8, oversubscribing the cores.
 test-all: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra

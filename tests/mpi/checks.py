@@ -1,7 +1,8 @@
-"""Multi-rank checks, run as ``mpiexec -n N python tests/mpi/checks.py CHECK [ENGINE]``.
+"""Multi-rank checks, run as ``mpiexec -n N python tests/mpi/checks.py CHECK[,CHECK...] [ENGINE]``.
 
-Each check asserts on every rank and prints ``OK <check>`` on rank 0; the
-pytest wrappers in tests/test_multirank.py launch them and read that line.
+Each check asserts on every rank and prints ``OK <check> ranks=N engine=E`` on rank 0; several
+checks, comma-separated, run one after the other in one launch (mpi_common.run_checks). The
+pytest wrappers in tests/test_multirank.py launch them and read those lines.
 The engine defaults to cpu; ``gpu`` runs the same checks on CUDA + NCCL.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import echonccl
 from echonccl import codec, dtypes
 
-from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host
+from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, run_checks, to_engine, to_host
 from support import ONE_HOP, amax_sum, assert_identical_across_ranks, error_bound, exact_sum
 
 
@@ -505,11 +506,7 @@ CHECKS = {f.__name__[len("check_"):]: f for f in
            check_pipelined_matches_two_shot, check_rounds, check_fused, check_fused_reference, check_fused_skew)}
 
 if __name__ == "__main__":
-    import faulthandler
     import os
 
-    faulthandler.dump_traceback_later(float(os.environ.get("CHECK_WATCHDOG", 500)), exit=True)
-    CHECKS[sys.argv[1]]()
-    WORLD.Barrier()
-    if RANK == 0:
-        print(f"OK {sys.argv[1]} ranks={P} engine={ENGINE}", flush=True)
+    # CHECK_WATCHDOG: seconds one check may run before every thread's stack is dumped and it exits
+    run_checks(CHECKS, sys.argv[1], watchdog=float(os.environ.get("CHECK_WATCHDOG", 500)))

@@ -1,7 +1,8 @@
-"""Hardening checks across ranks, run as ``mpiexec -n N python tests/mpi/hardening.py CHECK [ENGINE]``.
+"""Hardening checks across ranks, run as ``mpiexec -n N python tests/mpi/hardening.py CHECK[,CHECK...] [ENGINE]``.
 
 Same pattern as checks.py: every rank asserts, rank 0 prints ``OK <check> ranks=N engine=E``;
-ENGINE is ``cpu`` (default) or ``gpu``. The pytest wrappers are tests/test_hardening.py
+several comma-separated checks run in one launch (mpi_common.run_checks), except the `ALONE`
+ones below; ENGINE is ``cpu`` (default) or ``gpu``. The pytest wrappers are tests/test_hardening.py
 (CPU) and tests/test_gpu_hardening.py (GPU).
 
 Two kinds of checks end differently, by design:
@@ -47,7 +48,7 @@ from mpi4py import MPI  # noqa: E402
 
 import echonccl  # noqa: E402
 from echonccl import CommunicatorFailedError, EchoncclError, MismatchError, PeerTimeoutError, dtypes  # noqa: E402
-from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, to_engine, to_host  # noqa: E402
+from mpi_common import ALGOS, ENGINE, P, RANK, WORLD, rank_data, run_checks, to_engine, to_host  # noqa: E402
 import support  # noqa: E402
 from support import ONE_HOP, exact_sum  # noqa: E402
 
@@ -1093,8 +1094,8 @@ CHECKS = {f.__name__[len("check_"):]: f for f in
            check_close_reopen, check_cache, check_device, check_determinism, check_resume, check_properties,
            check_replay)}
 
+# They end the process themselves (exit statuses 42 and 43, a rank killed or frozen): one a launch.
+ALONE = ("local_error", "out_of_step", "after_failure", "peer_exit", "peer_exit_first", "peer_hang")
+
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
-    WORLD.Barrier()
-    if RANK == 0:
-        print(f"OK {sys.argv[1]} ranks={P} engine={ENGINE}", flush=True)
+    run_checks(CHECKS, sys.argv[1], alone=ALONE)
