@@ -157,7 +157,7 @@ class Communicator:
     (default: 4-bit contributions, each 32-element block rotated by a signed Hadamard transform,
     and 8-bit sums), ``"int4-h32"`` (4-bit both ways: the fewest bytes), ``"int4"`` (unrotated),
     or ``"int7-h32"`` (8-bit both ways: 7-bit codes and a bfloat16 scale per 16, rotated). ``feedback_rounding``:
-    the ``rounding`` of the feedback states this communicator makes (`Feedback`; default True).
+    the ``rounding`` of the feedback states this communicator makes (`Feedback`; default False).
     ``fused``: False keeps the GPU engine off peer-memory kernels (every schedule over NCCL).
     Each option's ``ECHONCCL_*`` variable, when set, overrides it (`config`, `settings`).
     Call `close` when done.

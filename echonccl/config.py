@@ -25,7 +25,7 @@ class Config:
     timeout: float = 300.0
     rounds: int = 1
     cache_bytes: int = 1 << 30
-    feedback_rounding: bool = True         # the default of `Feedback(rounding=)` for this communicator
+    feedback_rounding: bool = False        # the default of `Feedback(rounding=)` for this communicator
     fused: bool = True                     # peer-memory kernels where the GPUs can map each other's memory
 
     def __post_init__(self):

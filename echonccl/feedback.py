@@ -36,7 +36,7 @@ class Residuals:
 
     inputs: Any
     output: Any
-    rounding: bool = True
+    rounding: bool = False
 
     def owner_ref(self, out_dtype, accumulate: bool):
         """The ``ref_dtype`` of the owner's requantization (`Kernels.reduce_quantize`): the output's
@@ -61,12 +61,13 @@ class Feedback:
     residual traffic (BENCHMARKS.md).
     ``enabled = False`` turns feedback off: calls then neither read nor write
     the residuals. Calls using one state must be ordered (one stream).
-    ``rounding = False``: the owner's residual holds its sum's quantization error but not its
-    output's rounding to a 16-bit output dtype (except in calls that accumulate: refinement
-    rounds). The errors of a stream then telescope up to one 16-bit rounding a call (what a
+    ``rounding = False`` (default): the owner's residual holds its sum's quantization error but
+    not its output's rounding to a 16-bit output dtype (calls that accumulate, refinement rounds,
+    keep it in). The errors of a stream then telescope up to one 16-bit rounding a call (what a
     16-bit NCCL all-reduce makes too), and the owner rotates each element twice, not three
-    times (the fused kernel is 8-10% faster on one H200, BENCHMARKS.md); the default keeps the
-    output's rounding in (ACCURACY.md, "Feedback(rounding=False)").
+    times. ``rounding = True`` keeps the output's rounding in the residual too, so the errors
+    telescope exactly; the fused two-shot is 5-9% slower so, and the model study measured no
+    difference beyond noise (ACCURACY.md, "Feedback(rounding=)"; BENCHMARKS.md).
 
     The state also records the codec that wrote it (``codec``, set on binding):
     the rotated codecs (``int4-h32``, ``int7-h32``) keep their residuals in the rotated
@@ -78,7 +79,7 @@ class Feedback:
 
     STATE_VERSION = 2
 
-    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True, rounding: bool = True):
+    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True, rounding: bool = False):
         if residual_dtype not in wire.RESIDUAL_FORMATS:
             raise ValueError(f"residual_dtype must be one of {wire.RESIDUAL_FORMATS}, got {residual_dtype!r}")
         if not isinstance(rounding, bool):

@@ -16,10 +16,10 @@ line per kernel of this table, so the CUDA entry points and the names the launch
   rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
   its output is a run-time argument.
 * `PREBUILT`: the kernels of the default options (the default codec, `default_options`: residuals
-  of the input's type or none, the owner's rounding in its residual) for every data type, and
+  of the input's type or none, ``rounding=False``, refinement rounds) for every data type, and
   the one-shots: what ``python -m echonccl.build`` and the wheel compile ahead of time
   (`echonccl.build`). The rest (other codecs, int8 or float32 residuals of 16-bit data,
-  ``rounding=False``) are compiled on demand, one at a time, the first time a call needs them
+  ``rounding=True`` on whole slices) are compiled on demand, one at a time, the first time a call needs them
   (`echonccl.kernel_loader`).
 
 This module imports nothing outside the standard library (the wheel build runs it).
@@ -153,10 +153,17 @@ def kernels_of(codec: str) -> tuple[Kernel, ...]:
 def default_options(k: Kernel) -> bool:
     """Whether ``k`` serves the default options of its codec: residuals of the input's type
     (``Feedback()``) or none (the float32 instantiation stands in), the owner's output rounding
-    in its residual; not int8 or float32 residuals of 16-bit data, nor ``rounding=False``."""
-    if k.res == "i8" or (k.family == "two_shot" and k.ref == "f32"):
+    left out of its residual (``rounding=False``) but kept in refinement rounds (the flush); not
+    int8 or float32 residuals of 16-bit data, nor ``rounding=True`` on whole slices."""
+    if k.res == "i8":
         return False
-    return not (k.family == "reduce_quantize" and k.res == "f32" and k.ref != "f32")
+    if k.family == "reduce_quantize":
+        return not (k.res == "f32" and k.ref != "f32")
+    if k.family == "two_shot" and k.dtype != "f32":
+        if k.res == "f32":                       # no feedback
+            return k.ref == ""
+        return k.ref == "f32" or not k.whole     # round 1; a refinement round (general slices)
+    return True
 
 
 _DEFAULT_KERNELS = {k for k in kernels_of(DEFAULT_CODEC) if default_options(k)}

@@ -87,7 +87,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ECHONCCL_CODEC", "str", "int4-h32/int7-h32",
             "the wire format: int4-h32/int7-h32, int4-h32, int4 or int7-h32 (README: Codecs)"),
     Setting("ECHONCCL_ROUNDS", "int", 1, "4-bit rounds per all-reduce (1-4); each further round sends the residuals"),
-    Setting("ECHONCCL_FEEDBACK_ROUNDING", "bool", True,
+    Setting("ECHONCCL_FEEDBACK_ROUNDING", "bool", False,
             "the owner's 16-bit output rounding goes into its residual (Feedback(rounding=))"),
     Setting("ECHONCCL_CROSSOVER_BYTES", "bytes", None, "auto: below this input size the 16-bit path (default: measured per path)"),
     Setting("ECHONCCL_TIMEOUT", "float", 300.0, "seconds before a silent peer raises PeerTimeoutError"),

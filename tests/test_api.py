@@ -116,7 +116,8 @@ def test_feedback_rounding_option(monkeypatch):
     assert res.owner_ref(bf16, accumulate=False) == "float32" and res.owner_ref(bf16, accumulate=True) == bf16
     saved = fb.state_dict()
     assert saved["rounding"] is False
-    fresh = echonccl.Feedback()
+    assert echonccl.Feedback().rounding is False
+    fresh = echonccl.Feedback(rounding=True)
     fresh.load_state_dict(saved, zeros=np.zeros)
     assert fresh.rounding is False and fresh.residuals.rounding is False
     older = {k: v for k, v in saved.items() if k != "rounding"}      # a state saved before the option
@@ -125,11 +126,13 @@ def test_feedback_rounding_option(monkeypatch):
     with pytest.raises(EchoncclError, match="rounding"):
         fresh.load_state_dict({**saved, "rounding": "no"})
     assert fresh.rounding is True
-    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "0")
     with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
         assert c.config.feedback_rounding is False and c.new_feedback().rounding is False
-        assert c.new_feedback(rounding=True).rounding is True
-        assert c.default_feedback(8, "float32").rounding is False
+    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "1")
+    with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
+        assert c.config.feedback_rounding is True and c.new_feedback().rounding is True
+        assert c.new_feedback(rounding=False).rounding is False
+        assert c.default_feedback(8, "float32").rounding is True
     monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "maybe")
     with pytest.raises(ValueError, match="ECHONCCL_FEEDBACK_ROUNDING"):
         echonccl.Communicator(MPI.COMM_SELF, engine="cpu")
@@ -138,7 +141,7 @@ def test_feedback_rounding_option(monkeypatch):
 def test_prepared_call_expires_when_the_feedback_rounding_changes():
     from echonccl.communicator import _Prepared
     L, key = echonccl.Layout(64, 2), (64, 2, 32, "bfloat16")
-    fb = echonccl.Feedback()
+    fb = echonccl.Feedback(rounding=True)
     fb.bind(key, L, np.dtype(ml_dtypes.bfloat16), np.zeros)
     prep = _Prepared(None, None, feedback=fb)
     assert prep.ready()

@@ -26,10 +26,15 @@ def test_table_counts_and_names():
     assert len(kt.kernels_of("int4-h32")) == 64 and len(kt.kernels_of("int4")) == 64
     mixed = kt.kernels_of(codec.MIXED)      # int4-h32's but its two-shot, the pair's own, int7-h32's decodes
     assert len(mixed) == 64 - 28 + 42 + 6 and {k.codec for k in mixed} == {"int4-h32", codec.MIXED, "int7-h32"}
-    # prebuilt: the default options' kernels (residuals of the input's type or none, rounding on), every type
-    assert codec.DEFAULT_CODEC == codec.MIXED and len(kt.PREBUILT) == 52
+    # prebuilt: the default options' kernels (residuals of the input's type or none, rounding off, the
+    # flush's refinement round), every type
+    assert codec.DEFAULT_CODEC == codec.MIXED and len(kt.PREBUILT) == 54
     assert set(kt.PREBUILT) == {k for k in kt.ALL if k.codec == ""} | {k for k in mixed if kt.default_options(k)}
-    assert not any(k.res == "i8" or (k.family == "two_shot" and k.ref == "f32") for k in kt.PREBUILT)
+    assert not any(k.res == "i8" for k in kt.PREBUILT)
+    assert {(k.res, k.ref, k.whole) for k in kt.PREBUILT if k.family == "two_shot" and k.dtype == "bf16"} == {
+        ("f32", "", False), ("f32", "", True),          # no feedback
+        ("bf16", "f32", False), ("bf16", "f32", True),  # round 1, rounding=False
+        ("bf16", "", False)}                            # a refinement round (the flush) keeps the rounding
     assert {(k.res, k.ref) for k in kt.PREBUILT if k.family == "reduce_quantize" and k.dtype == "bf16"} == {
         ("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16")}     # no feedback; contributions; the owner
     assert kt.Kernel("two_shot", "bf16", codec.MIXED, "i8").name == "echo_two_shot_bf16_resi8_int4_h32_int7_h32"

@@ -82,6 +82,6 @@ def test_options_keyword_then_environment(monkeypatch):
     with pytest.raises(ValueError, match="ECHONCCL_ROUNDS='two'"):
         config.resolve()
     monkeypatch.delenv("ECHONCCL_ROUNDS")
-    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "off")
+    monkeypatch.setenv("ECHONCCL_FEEDBACK_ROUNDING", "on")
     with echonccl.Communicator(MPI.COMM_SELF, engine="cpu") as c:
-        assert c.config.feedback_rounding is False and c.new_feedback().rounding is False
+        assert c.config.feedback_rounding is True and c.new_feedback().rounding is True

@@ -50,8 +50,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
     p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
-    p.add_argument("--rounding", default="on", choices=("on", "off"),
-                   help="Feedback(rounding=): the owner's output rounding in its residual (default on)")
+    p.add_argument("--rounding", default=None, choices=("on", "off"),
+                   help="Feedback(rounding=): the owner's output rounding in its residual (default: Feedback's, off)")
     p.add_argument("--kernels", nargs="+", default=["general", "whole"],
                    choices=("general", "whole", "q", "q_whole", "one_shot"))
     p.add_argument("--iters", type=int, default=10)
@@ -59,6 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the default)")
     p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
     a = p.parse_args(argv)
+    rounding = echonccl.Feedback().rounding if a.rounding is None else a.rounding == "on"
 
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     for nbytes in map(parse_size, a.sizes):
         n = nbytes // 2
         layout = Layout(n, P, a.codec)
-        state = echonccl.Feedback(a.residual, rounding=a.rounding == "on").bind((n, P, group, "bfloat16"), layout, bf16,
+        state = echonccl.Feedback(a.residual, rounding=rounding).bind((n, P, group, "bfloat16"), layout, bf16,
                                                    lambda k, dt: cp.zeros(k, dtype=dt), a.codec)
         x = cp.random.default_rng(rank).standard_normal(n, dtype=cp.float32).astype(bf16)
         out = cp.empty_like(x)

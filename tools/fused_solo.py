@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+import echonccl
 from echonccl import codec, peer_memory
 from echonccl.schedules.two_shot import _quantize
 
@@ -302,12 +303,12 @@ class PeerTimeout(RuntimeError):
 
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
-             rounding=True, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
-    """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
+             rounding=None, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
+    """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring);
+    ``rounding`` None: `Feedback`'s default.
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P."""
     import cupy as cp
 
-    import echonccl
     from echonccl import dtypes, fused
     from echonccl.kernels_cuda import CudaKernels
     from echonccl.layout import Layout
@@ -324,7 +325,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
         for nbytes in sizes:
             n = nbytes // 2
             layout = Layout(n, P, codec_name)
-            fb = echonccl.Feedback(residual, rounding=rounding)
+            fb = echonccl.Feedback(residual) if rounding is None else echonccl.Feedback(residual, rounding=rounding)
             state = fb.bind((n, P, layout.group, "bfloat16"), layout, bf16, zeros, codec_name)
             assert state is not None
             data = peer_data(k, layout, lambda r: cp.random.default_rng(r).standard_normal(n, dtype=cp.float32)
@@ -458,8 +459,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
     p.add_argument("--residual", default="input", choices=("input", "float32", "int8"))
-    p.add_argument("--rounding", default="on", choices=("on", "off"),
-                   help="Feedback(rounding=): the owner's output rounding in its residual (default on)")
+    p.add_argument("--rounding", default=None, choices=("on", "off"),
+                   help="Feedback(rounding=): the owner's output rounding in its residual (default: Feedback's, off)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the whole GPU's)")
@@ -467,6 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", default=None, help="largest region (default: the communicator's, 4G)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
     a = p.parse_args(argv)
+    a.rounding = a.rounding or ("on" if echonccl.Feedback().rounding else "off")
 
     import cupy as cp
 

@@ -4,7 +4,7 @@
 # 1. tools/gpu_suite.sh OUTDIR/suite all: tests, kernel bench, soak, echonccl-perf in the three
 #    regimes eager and -G (both NCCL columns), the depth study on the GPU engine;
 # 2. the variants that decide the defaults, NVLink and host memory, eager and -G: two_shot and
-#    one_shot_q in the default codec and in int4-h32, rounding off, float32 and int8 residuals;
+#    one_shot_q in the default codec and in int4-h32, rounding on (the default is off), float32 and int8 residuals;
 # 3. the one-GPU measures against the two-GPU one: the fused kernels with a rank on each GPU,
 #    one rank alone (fused_solo) and two ranks sharing GPU 0 under MPS, for the same sizes.
 # Every run writes its output (and echonccl-perf its JSON) under OUTDIR; the exit status is 1 if
@@ -39,8 +39,8 @@ for regime in nvlink p2p; do
       c=${codec//\//_}
       run "perf_${tag}_$c" "${env[@]}" $PERF --algo two_shot,one_shot_q --codec "$codec" "${g[@]}" -J "$out/perf_${tag}_$c.json"
     done
-    run "perf_${tag}_rounding_off" "${env[@]}" ECHONCCL_FEEDBACK_ROUNDING=0 $PERF --algo two_shot "${g[@]}" \
-        -J "$out/perf_${tag}_rounding_off.json"
+    run "perf_${tag}_rounding_on" "${env[@]}" ECHONCCL_FEEDBACK_ROUNDING=1 $PERF --algo two_shot "${g[@]}" \
+        -J "$out/perf_${tag}_rounding_on.json"
     for rd in float32 int8; do
       run "perf_${tag}_res_$rd" "${env[@]}" $PERF --algo two_shot --residual "$rd" "${g[@]}" -J "$out/perf_${tag}_res_$rd.json"
     done
