@@ -36,7 +36,7 @@ def test_table_counts_and_names():
         ("bf16", "f32", False), ("bf16", "f32", True),  # round 1, rounding=False
         ("bf16", "", False)}                            # a refinement round (the flush) keeps the rounding
     assert {(k.res, k.ref) for k in kt.PREBUILT if k.family == "reduce_quantize" and k.dtype == "bf16"} == {
-        ("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16")}     # no feedback; contributions; the owner
+        ("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16")}     # no feedback; contributions, owner; the flush's owner
     assert kt.Kernel("two_shot", "bf16", codec.MIXED, "i8").name == "echo_two_shot_bf16_resi8_int4_h32_int7_h32"
     assert "ECHO_RQ_KERNEL(echo_reduce_quantize_f16_resf16_reff32_int4_h32_int7_h32, f16, f16, f32, 16, 2, 32, 1)" \
         == kt.Kernel("reduce_quantize", "f16", codec.MIXED, "f16", "f32").line()
@@ -50,6 +50,10 @@ def test_table_counts_and_names():
     with pytest.raises(KeyError, match="no kernel 'echo_nothing'"):
         kt.lookup("echo_nothing")
 
+
+def test_a_first_call_with_default_options_finds_its_kernels_prebuilt():
+    import first_call      # tools/: what tools/first_call.py times as the first call
+    assert {kt.lookup(n) for n in first_call.first_call_kernels()} <= set(kt.PREBUILT)
 
 def test_table_agrees_with_the_codec():
     assert set(kt.CODECS) == set(codec.WIRE_CODECS) and kt.DEFAULT_CODEC == codec.DEFAULT_CODEC
