@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from . import codec, settings
+from .feedback import DEFAULT_ROUNDING
 from .schedules import SCHEDULES
 
 # The 4-bit schedules, the plain baseline, the 16-bit peer-memory one-shot, and auto (by size).
@@ -25,7 +26,7 @@ class Config:
     timeout: float = 300.0
     rounds: int = 1
     cache_bytes: int = 1 << 30
-    feedback_rounding: bool = False        # the default of `Feedback(rounding=)` for this communicator
+    feedback_rounding: bool = DEFAULT_ROUNDING   # the default of `Feedback(rounding=)` for this communicator
     fused: bool = True                     # peer-memory kernels where the GPUs can map each other's memory
 
     def __post_init__(self):

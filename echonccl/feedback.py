@@ -22,6 +22,10 @@ from . import codec as wire, dtypes
 from .errors import EchoncclError
 from .layout import Layout
 
+DEFAULT_RESIDUAL = "input"
+# the owner's output rounding in its residual (`Feedback`): off by default
+DEFAULT_ROUNDING = False
+
 
 @dataclass
 class Residuals:
@@ -36,16 +40,13 @@ class Residuals:
 
     inputs: Any
     output: Any
-    rounding: bool = False
+    rounding: bool = DEFAULT_ROUNDING
 
     def owner_ref(self, out_dtype, accumulate: bool):
         """The ``ref_dtype`` of the owner's requantization (`Kernels.reduce_quantize`): the output's
         dtype, so that the residual holds the output's rounding too, or float32 (the quantization
         error alone) when ``rounding`` is off and the call does not accumulate."""
         return out_dtype if self.rounding or accumulate else "float32"
-
-
-DEFAULT_RESIDUAL = "input"
 
 
 class Feedback:
@@ -79,7 +80,7 @@ class Feedback:
 
     STATE_VERSION = 2
 
-    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True, rounding: bool = False):
+    def __init__(self, residual_dtype: str = DEFAULT_RESIDUAL, enabled: bool = True, rounding: bool = DEFAULT_ROUNDING):
         if residual_dtype not in wire.RESIDUAL_FORMATS:
             raise ValueError(f"residual_dtype must be one of {wire.RESIDUAL_FORMATS}, got {residual_dtype!r}")
         if not isinstance(rounding, bool):

@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 import echonccl
-from echonccl import config, settings
+from echonccl import codec, config, settings
+from echonccl.feedback import Feedback
 from launch import ROOT
 
 _NAME = re.compile(r"\bECHONCCL_[A-Z0-9_]*[A-Z0-9]\b")
@@ -44,6 +45,16 @@ def test_readme_settings_table_is_the_registry():
     readme = (ROOT / "README.md").read_text()
     assert settings.markdown_table(user=True) in readme
     assert settings.markdown_table(user=False) in readme
+
+
+
+def test_each_option_variable_defaults_to_the_option_default():
+    """The registry (standard library only) writes the defaults again: they must be `Config`'s
+    (which takes the codec's and `Feedback`'s own)."""
+    cfg = config.Config()
+    for option, var in config.ENV.items():
+        assert settings.BY_NAME[var].default == getattr(cfg, option), (var, option)
+    assert cfg.codec == codec.DEFAULT_CODEC and cfg.feedback_rounding is Feedback().rounding
 
 
 def test_values_parse_one_way():

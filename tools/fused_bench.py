@@ -32,6 +32,7 @@ import cupy as cp
 
 import echonccl
 from echonccl import codec, dtypes, fused, peer_memory
+from echonccl.feedback import DEFAULT_ROUNDING
 from echonccl.layout import Layout
 from echonccl.perf.options import format_size, parse_size
 from kernel_bench import time_us
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the default)")
     p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
     a = p.parse_args(argv)
-    rounding = echonccl.Feedback().rounding if a.rounding is None else a.rounding == "on"
+    rounding = DEFAULT_ROUNDING if a.rounding is None else a.rounding == "on"
 
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()

@@ -63,6 +63,7 @@ import numpy as np
 
 import echonccl
 from echonccl import codec, peer_memory
+from echonccl.feedback import DEFAULT_ROUNDING
 from echonccl.schedules.two_shot import _quantize
 
 KERNELS = ("general", "whole", "q", "q_whole")
@@ -303,9 +304,8 @@ class PeerTimeout(RuntimeError):
 
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
-             rounding=None, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
-    """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring);
-    ``rounding`` None: `Feedback`'s default.
+             rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
+    """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P."""
     import cupy as cp
 
@@ -325,7 +325,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
         for nbytes in sizes:
             n = nbytes // 2
             layout = Layout(n, P, codec_name)
-            fb = echonccl.Feedback(residual) if rounding is None else echonccl.Feedback(residual, rounding=rounding)
+            fb = echonccl.Feedback(residual, rounding=rounding)
             state = fb.bind((n, P, layout.group, "bfloat16"), layout, bf16, zeros, codec_name)
             assert state is not None
             data = peer_data(k, layout, lambda r: cp.random.default_rng(r).standard_normal(n, dtype=cp.float32)
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", default=None, help="largest region (default: the communicator's, 4G)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
     a = p.parse_args(argv)
-    a.rounding = a.rounding or ("on" if echonccl.Feedback().rounding else "off")
+    a.rounding = a.rounding or ("on" if DEFAULT_ROUNDING else "off")
 
     import cupy as cp
 
