@@ -209,6 +209,12 @@ def parts(codec: str) -> tuple[str, str]:
     return a, b or a
 
 
+def joined(contributions: str, sums: str) -> str:
+    """The codec name whose `parts` are ``(contributions, sums)``: the one wire codec, or the pair
+    (not checked: `check_codec` where it matters)."""
+    return contributions if sums == contributions else f"{contributions}/{sums}"
+
+
 def _wire(codec: str) -> str:
     if codec not in WIRE_CODECS:
         raise ValueError(f"a slice's wire format is one of {WIRE_CODECS}, got {codec!r} (parts() splits a pair)")

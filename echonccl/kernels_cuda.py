@@ -114,8 +114,7 @@ class CudaKernels:
         geo = self._geom(layout)
         S, B = geo.slice_elems, geo.slice_bytes
         n_in = 0 if incoming is None else incoming.size // B
-        out_codec = layout.codec if out_layout is None else out_layout.codec
-        pair = layout.codec if out_codec == layout.codec else f"{layout.codec}/{out_codec}"
+        pair = codec.joined(layout.codec, layout.codec if out_layout is None else out_layout.codec)
         if self.check and out_layout is not None and (out_layout.slice_elems != S
                                                       or pair not in (layout.codec, *kt.PAIRS)):
             raise ValueError(f"out_layout must slice as layout does, in {layout.codec} or a pair of {kt.PAIRS}")

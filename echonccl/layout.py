@@ -37,7 +37,7 @@ class Layout:
     @property
     def name(self) -> str:
         """The codec's name (`codec.CODECS`): ``codec``, or the pair."""
-        return self.codec if self.sum_codec == self.codec else f"{self.codec}/{self.sum_codec}"
+        return wire.joined(self.codec, self.sum_codec)
 
     @property
     def group(self) -> int:

@@ -137,6 +137,7 @@ def test_mixed_layout_slices_contributions_and_sums_alike():
     """``int4-h32/int7-h32``: contributions in int4-h32, the owners' sums in int7-h32, one slicing;
     0.39 of a bf16 ring all-reduce's bytes (two-shot int4-h32 alone: 0.28)."""
     assert codec.parts(codec.MIXED) == ("int4-h32", "int7-h32") and codec.parts("int4") == ("int4", "int4")
+    assert all(codec.joined(*codec.parts(c)) == c for c in codec.CODECS)
     L = Layout(100_003, 4, codec.MIXED)
     assert (L.codec, L.sum_codec, L.name, L.group) == ("int4-h32", "int7-h32", codec.MIXED, 32)
     S = L.sums
