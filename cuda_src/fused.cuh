@@ -11,7 +11,7 @@
 //   ctl    : Ctl (epoch, ticket, done, error), local use only
 //   flags  : u32 [(P - 1) recv slots + P gather slots][max_tiles]
 //   recv   : (P - 1) wire slices, source s in slot s < rank ? s : s - 1   (two_shot's peers_in)
-//   gather : P wire slices, owner s in slot s                              (two_shot's gather)
+//   gather : P wire slices, owner s in slot s (two_shot's gather; a two-shot leaves its own slot)
 //   push   : 2 parities x push_half bytes: what the one-shots push (one_shot, one_shot_q)
 // The flag for tile j of a slot is the call's epoch once the tile's bytes are there.
 // A rank can be at most one call ahead of another (every call needs the other's data of that
@@ -27,12 +27,11 @@
 //   1. (P - 1) per tile j: quantize this rank's contribution to tile j of peer s's slice
 //      (input + input residual) straight into s's recv slot, then flag it on s;
 //   2. one per tile j of the own slice: wait for the P - 1 contributions, sum in rank order
-//      with the own input taken exactly, add the output residual, quantize into the gather
-//      slot of every rank (own included), flag it on every rank; the new output residual holds
-//      the output's rounding to T too, or (the ref32 kernels, echonccl Feedback(rounding=False))
-//      the quantization error alone;
-//   3. P per tile j: wait for tile j of owner s's codes, decode into `out` (or add); the
-//      owner's own slice is written in 2 instead.
+//      with the own input taken exactly, add the output residual, quantize into the own gather
+//      slot of every peer, flag it there, and write the own slice of `out`; the new output
+//      residual holds the output's rounding to T too, or (the ref32 kernels, echonccl
+//      Feedback(rounding=False)) the quantization error alone;
+//   3. P - 1 per tile j: wait for tile j of owner s != rank's codes, decode into `out` (or add).
 // Every item waits only for items taken before it (in the same order on every rank) by
 // blocks that are running: no deadlock, whatever the grid size or residency.
 // The last block to finish resets the ticket and advances the epoch (stored on the device,
@@ -241,7 +240,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
 
     for (;;) {
         const long long item = next_item(ctl, &s_item);
-        if (item >= 2 * P * T_ || !s_ok) break;
+        if (item >= 2 * n1 + T_ || !s_ok) break;
         if (item < n1) {
             // 1. contribution to peer s's slice, tile j
             const i64 j = item / (P - 1);
@@ -269,20 +268,20 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
             phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole>(
-                my_recv, P - 1, rank, x + lo, hi - lo, res_out, my_gather + rank * sum_bytes, S,
-                (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers, P - 1,
+                my_recv, P - 1, rank, x + lo, hi - lo, res_out, table->gather_peers[0] + rank * sum_bytes, S,
+                (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers + 1, P - 2,
                 rank * sum_bytes, out + blo, bhi - blo);
             __syncthreads();
             if (threadIdx.x == 0) {
                 for (int s = 0; s < P; ++s)
-                    st_release_sys(table->flags[s] + (P - 1 + rank) * max_tiles + j, epoch);
+                    if (s != rank) st_release_sys(table->flags[s] + (P - 1 + rank) * max_tiles + j, epoch);
             }
         } else {
-            // 3. decode tile j of owner s's slice
+            // 3. decode tile j of owner s's slice, s != rank
             const i64 i3 = item - n1 - T_;
-            const i64 j = i3 / P;
-            const int s = (rank + (int)(i3 % P)) % P;
-            if (s * S >= count || s == rank) continue;
+            const i64 j = i3 / (P - 1);
+            const int s = (rank + 1 + (int)(i3 % (P - 1))) % P;
+            if (s * S >= count) continue;
             if (threadIdx.x == 0 &&
                 !wait_flag(my_flags + (P - 1 + s) * max_tiles + j, epoch, ctl, s_deadline))
                 s_ok = 0;

@@ -16,9 +16,10 @@ constexpr int kInBatch = 4;
 // skip its 8 tests: no base, and the group's amax (as bits) so small that no step overflows:
 // |fl(q * scale)| <= amax (1 + 2^-22), rotated back (int4-h32, 32 terms) <= 32 amax (1 + 2^-20),
 // rounded to RefT (float16: finite below 65504, so amax < 2^10; else amax < 2^120), rotated
-// again and subtracted from |v| <= amax: below 2^127. The caller leaves out int7-h32 (its
-// rotation block spans two groups, whose amax this thread does not see) and float32 inputs
-// (8 bytes spilled with the second path, no faster on H200).
+// again and subtracted from |v| <= amax: below 2^127; a float32 ref is not rotated at all. The
+// caller leaves out int7-h32 with a 16-bit ref (its rotation block spans two groups, whose amax
+// this thread does not see) and float32 inputs (8 bytes spilled with the second path, no faster
+// on H200).
 template <typename RefT> struct PlainAmax { static constexpr u32 kBits = 0x7b800000u; };   // 2^120
 template <> struct PlainAmax<half_t> { static constexpr u32 kBits = 0x44800000u; };        // 2^10
 template <typename RefT>
@@ -298,7 +299,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                     else rot_sign_scale8(e, lb);
                     rot_butterflies8(e, lb);
                 }
-                constexpr bool kMayPlain = !W::k7 && Traits<InT>::kBytes == 2;
+                constexpr bool kMayPlain = (!W::k7 || !kRound) && Traits<InT>::kBytes == 2;
                 if (kMayPlain && plain_residual<RefT>(amax, base != nullptr)) {
 #pragma unroll
                     for (int i = 0; i < 8; ++i) e[i] = sub_rn(acc[i], e[i]);

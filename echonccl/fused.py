@@ -117,7 +117,7 @@ class FusedPaths:
         """Round 1's launch, then ``rounds - 1`` of a refinement round (no input, accumulate)."""
         S, P = layout.slice_elems, self.size
         t, r, res_in, res_out = _types(x, state)
-        grid = min(self.max_blocks, 2 * P * T)
+        grid = min(self.max_blocks, (2 * P - 1) * T)   # its work items (cuda_src/fused.cuh)
         ref32 = state is not None and not state.rounding and t != "f32"
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]

@@ -25,11 +25,11 @@ plain pointer serves as the mapped one). Before timing:
   slots (peer s's contribution to slice 0, slot s - 1), its gather slots s >= 1 (owner s's codes),
   and for ``q`` parts s >= 1 of both push parities (peer s's P quantized slices). Rank 0's kernel
   never writes these (it writes recv, gather slot 0 and push part 0 of the *other* regions, and
-  gather slot 0 of its own), so they stay valid for every later call;
+  ``q`` push part 0 of its own), so they stay valid for every later call;
 * before every launch, outside the timed interval, `arm` (a tiny kernel on the same stream) sets
   every flag of rank 0's region that a peer sets, to rank 0's next epoch (its ``ctl.epoch + 1``,
   read on the device): recv slots 0..P-2 and gather slots P..2P-2 (owners 1..P-1), all tiles; not
-  gather slot P-1 (rank 0's own), which only rank 0's kernel writes (``q`` waits on it: its own
+  gather slot P-1 (rank 0's own), which only rank 0's ``q`` kernel writes (and waits on: its own
   push, a real dependency inside the launch). So no wait spins: every flag rank 0 waits on is
   set before it starts, as when its peers have finished.
 
@@ -46,9 +46,8 @@ prints ``-``: the communicator would take the NCCL path for it.
 Byte floor (`floor_bytes`): what one rank's kernel moves through HBM per all-reduce of n
 elements, t bytes each, slices of S elements and B wire bytes, residual slices of R bytes: input
 read and output written 2 t n, residuals read and written 2 P R; wire, two-shot 2 (P - 1) B
-+ (2P - 1) Bs with Bs the sums' slice bytes (B, or a mixed codec's int7-h32 ones) (recv: P - 1
-slices written by the peers, read; gather: the own slice written, P - 1 written by the owners,
-read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
++ 2 (P - 1) Bs with Bs the sums' slice bytes (B, or a mixed codec's int7-h32 ones) (recv: P - 1
+slices written by the peers, read; gather: P - 1 written by the owners, read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
 P GPUs (there the peers write the wire slices into this HBM; here rank 0 writes them into the
 peers' regions, in the same HBM). Implied bandwidth: those bytes over the best rep's median.
 """
@@ -157,7 +156,7 @@ def _ptr(a) -> int:
 
 def armed_range(nranks: int, max_tiles: int) -> tuple[int, int, int]:
     """``(n, lo, hi)``: `arm` sets flags ``[0, n)`` of rank 0's region except ``[lo, hi)``, its own
-    gather slot (P - 1), which only its own kernel writes."""
+    gather slot (P - 1), which only its own ``q`` kernel writes."""
     P = nranks
     return (2 * P - 1) * max_tiles, (P - 1) * max_tiles, P * max_tiles
 
@@ -168,7 +167,7 @@ def floor_bytes(family: str, layout, itemsize: int, res_dtype) -> int:
     P, S, B, n = layout.nranks, layout.slice_elems, layout.slice_bytes, layout.count
     Bs = layout.sums.slice_bytes
     R = 0 if res_dtype is None else codec.residual_size(S, res_dtype) * np.dtype(res_dtype).itemsize
-    wire = 2 * (P - 1) * B + (2 * P - 1) * Bs if family == "two_shot" else 2 * P * P * B
+    wire = 2 * (P - 1) * (B + Bs) if family == "two_shot" else 2 * P * P * B
     return 2 * itemsize * n + 2 * P * R + wire
 
 
