@@ -67,7 +67,7 @@ class Feedback:
     keep it in). The errors of a stream then telescope up to one 16-bit rounding a call (what a
     16-bit NCCL all-reduce makes too), and the owner rotates each element twice, not three
     times. ``rounding = True`` keeps the output's rounding in the residual too, so the errors
-    telescope exactly; the fused two-shot is 5-9% slower so, and the model study measured no
+    telescope exactly; the fused two-shot is 6-12% slower so, and the model study measured no
     difference beyond noise (ACCURACY.md, "Feedback(rounding=)"; BENCHMARKS.md).
 
     The state also records the codec that wrote it (``codec``, set on binding):
