@@ -496,6 +496,38 @@ __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[
     read_block<N>(stage, v);
 }
 
+// ------------------------------------------- a thread's next chunks, in flight in shared memory
+// reduce_quantize_loop loads its 16-bit own input and residual kRingDepth - 1 steps
+// ahead with cp.async into this thread's own column of a ring in shared memory: bytes in flight
+// without holding registers (the default fused owner spills 24 bytes so, 104 with them in
+// registers; BENCHMARKS.md section 2; 3 or 4 steps ahead were no faster). A thread reads only the
+// slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
+// (a later phase of the block reuses the ring).
+constexpr int kRingDepth = 2;
+__shared__ uint4 g_ring[kRingDepth][2][ECHO_BLOCK];
+
+__device__ __forceinline__ void ring_copy(uint4* dst, const void* src) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+    *dst = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void ring_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void ring_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 }  // namespace echo
 
 #endif  // ECHO_CODEC_BASE_CUH

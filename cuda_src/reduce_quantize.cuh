@@ -160,23 +160,54 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     const int lb = (int)(t_first & (kRotLanes - 1));   // the lane in its rotation block, fixed
     const u32 z16 = rot_sign_word16(lb);
     // Software pipelining: the next grid-stride chunk's own input and residual are loaded while
-    // this one is computed (bytes in flight during the arithmetic).
+    // this one is computed (bytes in flight during the arithmetic): with 16-bit input and residual
+    // through the shared-memory ring (codec_base.cuh), whatever of them lies whole and aligned
+    // (the rest is loaded when used), else into registers.
+    constexpr bool kRing = sizeof(InT) == 2 && sizeof(ResT) == 2;
+    const bool has_res = residual != nullptr;
+    auto own_ring = [&](i64 tt) { return kFull || (own_vec && (tt << 3) + 8 <= own_n); };
+    const bool res_ring = kFull || res_vec;
+    auto ring_issue = [&](i64 tt, int slot) {
+        if (tt < nthreads) {
+            if (own_ring(tt)) ring_copy(&g_ring[slot][0][threadIdx.x], own + (tt << 3));
+            if (has_res && res_ring) ring_copy(&g_ring[slot][1][threadIdx.x], residual + (tt << 3));
+        }
+        ring_commit();   // empty groups too: every step waits for the same count
+    };
     i64 t = t_first;
+    int slot = 0;
     Raw8<InT> own_next;
     ResRaw<ResT> res_next;
-    if (t < nthreads) {
+    if constexpr (kRing) {
+#pragma unroll
+        for (int d = 0; d + 1 < kRingDepth; ++d) ring_issue(t + d * stride, d);
+    } else if (t < nthreads) {
         own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
-        if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
+        if (has_res) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
     }
     for (; t < nthreads; t += stride) {
         const i64 e0 = t << 3;
         const i64 grp = t / kLanes;
 
-        const Raw8<InT> own_r = own_next;
-        const ResRaw<ResT> res_r = res_next;
-        if (t + stride < nthreads) {
-            own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
-            if (residual != nullptr) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
+        Raw8<InT> own_r;
+        ResRaw<ResT> res_r;
+        if constexpr (kRing) {
+            ring_issue(t + (kRingDepth - 1) * stride, slot == 0 ? kRingDepth - 1 : slot - 1);
+            ring_wait<kRingDepth - 1>();
+            if (own_ring(t)) own_r.w[0] = g_ring[slot][0][threadIdx.x];
+            else own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
+            if (has_res) {
+                if (res_ring) res_r.r.w[0] = g_ring[slot][1][threadIdx.x];
+                else res_r = res_load<ResT, kFull>(residual, t, S, res_vec);
+            }
+            slot = slot + 1 == kRingDepth ? 0 : slot + 1;
+        } else {
+            own_r = own_next;
+            res_r = res_next;
+            if (t + stride < nthreads) {
+                own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
+                if (has_res) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
+            }
         }
         float own_v[8], res_v[8];
         if constexpr (kRot && Traits<InT>::kBytes == 2) {   // signs on the packed pairs: 4 ops, not 8
@@ -314,6 +345,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             }
         }
     }
+    if constexpr (kRing) ring_wait<0>();
 }
 
 // reduce_quantize_loop with one thread per 32-element rotation block (= group): the rotation's
