@@ -462,51 +462,9 @@ __device__ __forceinline__ void store_block(uint4* stage, uint4* p, int nvalid, 
     }
 }
 
-// The same chunk-order run copied from global p straight into the staging area, in flight (no
-// registers) until stage_wait_block: cp.async (sm_80 and newer; older: plain loads and stores).
-template <int N>
-__device__ __forceinline__ void stage_chunks_async(uint4* stage, const uint4* p, int nvalid) {
-    const int lane = threadIdx.x & 31;
-    __syncwarp();   // the lanes are done with the stage's previous contents
-#pragma unroll
-    for (int m = 0; m < N; ++m) {
-        const int i = lane + 32 * m;
-        if (i / N < nvalid) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-            u32 dst;
-            asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(dst) : "l"(stage + stage_slot<N>(i)));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p + i) : "memory");
-#else
-            stage[stage_slot<N>(i)] = p[i];
-#endif
-        }
-    }
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// This lane's block of a run staged by stage_chunks_async, once every lane's copies have landed.
-template <int N>
-__device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[N]) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-    __syncwarp();
-    read_block<N>(stage, v);
-}
-
-// ------------------------------------------- a thread's next chunks, in flight in shared memory
-// reduce_quantize_loop loads its 16-bit own input and residual kRingDepth - 1 steps
-// ahead with cp.async into this thread's own column of a ring in shared memory: bytes in flight
-// without holding registers (the default fused owner spills 24 bytes so, 104 with them in
-// registers; BENCHMARKS.md section 2; 3 or 4 steps ahead were no faster). A thread reads only the
-// slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
-// (a later phase of the block reuses the ring).
-constexpr int kRingDepth = 2;
-__shared__ uint4 g_ring[kRingDepth][2][ECHO_BLOCK];
-
-__device__ __forceinline__ void ring_copy(uint4* dst, const void* src) {
+// 16 bytes copied from global src to shared dst in flight, no register holding them, until this
+// thread waits for its group (cp.async, sm_80 and newer; older: a plain load and store).
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     u32 d;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
@@ -515,18 +473,51 @@ __device__ __forceinline__ void ring_copy(uint4* dst, const void* src) {
     *dst = *reinterpret_cast<const uint4*>(src);
 #endif
 }
-__device__ __forceinline__ void ring_commit() {
+// This thread's copies since the last commit, as one group.
+__device__ __forceinline__ void cp_async_commit() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 // Until at most N of this thread's committed groups are still in flight.
 template <int N>
-__device__ __forceinline__ void ring_wait() {
+__device__ __forceinline__ void cp_async_wait() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
+
+// The same chunk-order run copied from global p straight into the staging area, in flight (no
+// registers) until stage_wait_block.
+template <int N>
+__device__ __forceinline__ void stage_chunks_async(uint4* stage, const uint4* p, int nvalid) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();   // the lanes are done with the stage's previous contents
+#pragma unroll
+    for (int m = 0; m < N; ++m) {
+        const int i = lane + 32 * m;
+        if (i / N < nvalid) cp_async16(stage + stage_slot<N>(i), p + i);
+    }
+    cp_async_commit();
+}
+
+// This lane's block of a run staged by stage_chunks_async, once every lane's copies have landed.
+template <int N>
+__device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[N]) {
+    cp_async_wait<0>();
+    __syncwarp();
+    read_block<N>(stage, v);
+}
+
+// ------------------------------------------- a thread's next chunks, in flight in shared memory
+// reduce_quantize_loop loads its 16-bit own input and residual kRingDepth - 1 steps
+// ahead with cp_async16 into this thread's own column of a ring in shared memory: bytes in flight
+// without holding registers (the default fused owner spills 24 bytes so, 104 with them in
+// registers; BENCHMARKS.md section 2; 3 or 4 steps ahead were no faster). A thread reads only the
+// slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
+// (a later phase of the block reuses the ring).
+constexpr int kRingDepth = 2;
+__shared__ uint4 g_ring[kRingDepth][2][ECHO_BLOCK];
 
 }  // namespace echo
 

@@ -169,10 +169,10 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     const bool res_ring = kFull || res_vec;
     auto ring_issue = [&](i64 tt, int slot) {
         if (tt < nthreads) {
-            if (own_ring(tt)) ring_copy(&g_ring[slot][0][threadIdx.x], own + (tt << 3));
-            if (has_res && res_ring) ring_copy(&g_ring[slot][1][threadIdx.x], residual + (tt << 3));
+            if (own_ring(tt)) cp_async16(&g_ring[slot][0][threadIdx.x], own + (tt << 3));
+            if (has_res && res_ring) cp_async16(&g_ring[slot][1][threadIdx.x], residual + (tt << 3));
         }
-        ring_commit();   // empty groups too: every step waits for the same count
+        cp_async_commit();   // empty groups too: every step waits for the same count
     };
     i64 t = t_first;
     int slot = 0;
@@ -193,7 +193,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
         ResRaw<ResT> res_r;
         if constexpr (kRing) {
             ring_issue(t + (kRingDepth - 1) * stride, slot == 0 ? kRingDepth - 1 : slot - 1);
-            ring_wait<kRingDepth - 1>();
+            cp_async_wait<kRingDepth - 1>();
             if (own_ring(t)) own_r.w[0] = g_ring[slot][0][threadIdx.x];
             else own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
             if (has_res) {
@@ -345,7 +345,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             }
         }
     }
-    if constexpr (kRing) ring_wait<0>();
+    if constexpr (kRing) cp_async_wait<0>();
 }
 
 // reduce_quantize_loop with one thread per 32-element rotation block (= group): the rotation's
