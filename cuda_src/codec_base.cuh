@@ -513,7 +513,7 @@ __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[
 // reduce_quantize_loop loads its 16-bit own input and residual kRingDepth - 1 steps
 // ahead with cp_async16 into this thread's own column of a ring in shared memory: bytes in flight
 // without holding registers (the default fused owner spills 24 bytes so, 104 with them in
-// registers; BENCHMARKS.md section 2; 3 or 4 steps ahead were no faster). A thread reads only the
+// registers; docs/notes/fused.md, "The levers"; 3 or 4 steps ahead were no faster). A thread reads only the
 // slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
 // (a later phase of the block reuses the ring).
 constexpr int kRingDepth = 2;

@@ -47,7 +47,6 @@ def test_readme_settings_table_is_the_registry():
     assert settings.markdown_table(user=False) in readme
 
 
-
 def test_each_option_variable_defaults_to_the_option_default():
     """The registry (standard library only) writes the defaults again: they must be `Config`'s
     (which takes the codec's and `Feedback`'s own)."""

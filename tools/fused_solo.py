@@ -47,9 +47,10 @@ Byte floor (`floor_bytes`): what one rank's kernel moves through HBM per all-red
 elements, t bytes each, slices of S elements and B wire bytes, residual slices of R bytes: input
 read and output written 2 t n, residuals read and written 2 P R; wire, two-shot 2 (P - 1) B
 + 2 (P - 1) Bs with Bs the sums' slice bytes (B, or a mixed codec's int7-h32 ones) (recv: P - 1
-slices written by the peers, read; gather: P - 1 written by the owners, read), ``q`` 2 P^2 B (P parts of P slices written into the push area, read). The same on
-P GPUs (there the peers write the wire slices into this HBM; here rank 0 writes them into the
-peers' regions, in the same HBM). Implied bandwidth: those bytes over the best rep's median.
+slices written by the peers, read; gather: P - 1 written by the owners, read), ``q`` 2 P^2 B
+(P parts of P slices written into the push area, read). The same on P GPUs (there the peers
+write the wire slices into this HBM; here rank 0 writes them into the peers' regions, in the same
+HBM). Implied bandwidth: those bytes over the best rep's median.
 """
 from __future__ import annotations
 
