@@ -37,12 +37,6 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
     asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
     return r;
 }
-// max(m, |d|) for non-NaN operands (a tie test's largest deviation).
-__device__ __forceinline__ float max_abs(float m, float d) {
-    float r;
-    asm("{ .reg .f32 a; abs.f32 a, %2; max.f32 %0, %1, a; }" : "=f"(r) : "f"(m), "f"(d));
-    return r;
-}
 // rint (nearest, ties to even) straight to int; saturating, NaN -> 0.
 __device__ __forceinline__ int rint_s32(float a) {
     int r;

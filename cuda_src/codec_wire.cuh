@@ -45,9 +45,6 @@ struct Wire {
     static_assert(k7 ? G == 16 : (G == 32 || G == 64 || G == 128), "group size of the codec");
     static constexpr int kLanes = G / 8;                // lanes per group
     static constexpr int kLevels = k7 ? 63 : 7;
-    // |y - rint(y)| above this: y may be too close to a half-integer for the reciprocal
-    // shortcut to be trusted (its error is < 2^-19 for |y| <= 7.5, < 2^-16 for |y| <= 63.5).
-    static constexpr float kNearTie = k7 ? 0.5f - 1.0f / 16384.0f : 0.5f - 1.0f / 65536.0f;
     __device__ static __forceinline__ i64 codes_bytes(i64 S) { return k7 ? S - (S >> 3) : S >> 1; }
     __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + (kBf16Scale ? 2 : 4) * (S / G); }
 };

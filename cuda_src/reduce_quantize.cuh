@@ -28,8 +28,9 @@ __device__ __forceinline__ bool plain_residual(u32 amax_bits, bool has_base) {
 }
 
 // The quantizer of one group: returns its scale (NaN for a non-finite group; amax = the group's
-// largest |v| as bits, finite = amax < Inf) and q_i = clip(rint(fl(v_i / scale)), -L, L)
-// (L = 7, int7-h32: 63) of this thread's M values as floats (qf) and in the low bits of code[i];
+// largest |v| as bits, finite = amax < Inf) and q_i = rint(fl(v_i * fl(1 / scale))) for a normal
+// scale, clip(rint(fl(v_i / scale)), -L, L) for a subnormal one (L = 7, int7-h32: 63; codec.py) of
+// this thread's M values as floats (qf) and in the low bits of code[i];
 // q = 0 for scale == 0 and for a non-finite group.
 template <typename W, int M>
 __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, bool finite, float (&qf)[M],
@@ -44,31 +45,13 @@ __device__ __forceinline__ float quantize_values(const float (&v)[M], u32 amax, 
         // amax > 0: tiny subnormal groups must not collapse.
         if (amax != 0u && fbits(scale) == 0u) scale = bitsf(W::kBf16Scale ? 0x00010000u : 0x00000001u);
         if (fbits(scale) >= 0x00800000u) {
-            // Normal scale: |v / scale| < L + 0.5, so no clipping. y = fl(v * fl(1/scale))
-            // is within 3 * 2^-24 * |y| of the exact quotient; unless y is within W::kNearTie
-            // of a half-integer, rint(y) == rint(fl(v / scale)). Otherwise divide exactly.
-            // The test is one branch for the M quotients (their largest deviation), taken
-            // about once in 2^12 chunks of 8 with float32 scales; bfloat16 scales (8 bits) make
-            // exact ties a few times more frequent on 16-bit data.
+            // Normal scale: q = rint(fl(v * fl(1 / scale))) (codec.py), |q| <= L with no clip.
             const float r = rcp_rn(scale);
-            float dev = 0.0f;
 #pragma unroll
             for (int i = 0; i < M; ++i) {
-                const float y = mul_rn(v[i], r);
-                const float m = add_rn(y, kMagic);
+                const float m = add_rn(mul_rn(v[i], r), kMagic);
                 qf[i] = sub_rn(m, kMagic);
                 code[i] = fbits(m);
-                dev = max_abs(dev, sub_rn(y, qf[i]));
-            }
-            if (fbits(dev) > fbits(W::kNearTie)) {   // dev >= 0: the bits order as the values
-#pragma unroll
-                for (int i = 0; i < M; ++i) {
-                    if (abs_bits(sub_rn(mul_rn(v[i], r), qf[i])) > fbits(W::kNearTie)) {
-                        const float m = add_rn(div_rn(v[i], scale), kMagic);
-                        qf[i] = sub_rn(m, kMagic);
-                        code[i] = fbits(m);
-                    }
-                }
             }
         } else if (fbits(scale) != 0u) {
             // Subnormal scale (|v| < L * 2^-126): the quotient can exceed L + 0.5; divide and clip.
@@ -474,7 +457,7 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
             for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[k][i]));
         const bool finite = amax < 0x7f800000u;
 
-        // The quantizer, the 32 values at once (one tie test).
+        // The quantizer, the 32 values at once.
         float qf[4][8];
         u32 code[4][8];
         const float scale = quantize_values<W>(reinterpret_cast<const float (&)[32]>(acc), amax, finite,

@@ -35,8 +35,13 @@ fused multiply-add, no approximate division)::
         scale = 0                                  if amax == 0
               = max(amax / 7, 2**-149)             otherwise
         q     = 0                                  if scale == 0
+              = rint(fl(v * fl(1 / scale)))        if scale >= 2**-126 (normal)
               = clip(rint(v / scale), -7, 7)       otherwise (rint: half to even)
 
+A normal scale multiplies by its reciprocal (one instruction an element on a GPU
+instead of a division); ``|v * fl(1 / scale)|`` stays below 7.5 (63.5 for
+``int7-h32``), so no code clips there, and the quotient differs from ``v / scale``
+by at most 2**-17 of a step (a half-integer within that may round the other way).
 An all-zero group gets ``scale == 0`` and exact zeros back (no division by
 zero). ``2**-149``, the smallest fp32 subnormal, keeps groups of tiny
 subnormals (where ``amax / 7`` would underflow to 0) from collapsing to zero.
@@ -95,7 +100,7 @@ least 2**-133 (bfloat16's smallest subnormal), stored as the high 16 bits of the
           = max(trunc_bf16(fl(amax / 7)), 2**-133)    otherwise
 
 (``trunc_bf16`` as for ``int7-h32`` below). bfloat16 has float32's exponent range, so no
-group underflows or overflows; truncating keeps ``|q * scale| <= amax`` and ``|v / scale|``
+group underflows or overflows; truncating keeps ``|q * scale| <= amax`` and ``|v * fl(1 / scale)|``
 below 7.06 for a normal scale, so no code clips there. SmolLM2-135M: no loss against float32
 scales (ACCURACY.md), at 10% fewer wire bytes.
 
@@ -122,12 +127,12 @@ truncated to a bfloat16 (the float32 exponent range, so no group underflows or o
 
     scale = 0                                          if amax == 0
           = max(trunc_bf16(fl(amax / 63)), 2**-133)    otherwise
-    q     = clip(rint(v / scale), -63, 63)
+    q     = rint(fl(v * fl(1 / scale)))  (a normal scale; else clip(rint(v / scale), -63, 63))
     trunc_bf16(s) = the float32 with bits bits(s) & 0xFFFF0000
 
 and a non-finite group writes the bfloat16 NaN 0x7FC0 (float32 0x7FC00000) and ``q = 0``.
 Truncating keeps ``|q * scale| <= amax`` (up to float32's rounding of ``amax / 63``), so a
-finite input decodes finite, and ``|v / scale| < 63.5`` for a normal scale, so no code is
+finite input decodes finite, and ``|v * fl(1 / scale)| < 63.5`` for a normal scale, so no code is
 clipped there; 2**-133 is bfloat16's smallest subnormal. Its NaN/Inf unit is the
 rotation block: a NaN or Inf in a block makes both of its groups non-finite, and
 decoding writes, to all 32 elements of a block where either group's scale is NaN, the
@@ -194,6 +199,7 @@ RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
 
 _F32 = np.float32
 _MIN_SCALE = np.float32(2.0 ** -149)
+_MIN_NORMAL = np.float32(2.0 ** -126)
 
 
 def check_codec(codec: str) -> str:
@@ -330,7 +336,9 @@ def quantize_groups(v: np.ndarray, group: int, codec: str = "int4") -> tuple[np.
             scale = np.where(amax > 0, np.maximum(amax / levels, _MIN_SCALE), _F32(0)).astype(_F32)
         nonzero = scale != 0
         safe = np.where(nonzero, scale, _F32(1))[:, None]
-        q = np.rint(np.where(finite[:, None], g, _F32(0)) / safe)
+        x = np.where(finite[:, None], g, _F32(0))
+        # a normal scale: times its reciprocal fl(1 / scale); a subnormal one: divided
+        q = np.rint(np.where(safe >= _MIN_NORMAL, x * (_F32(1) / safe), x / safe))
     q = np.clip(q, -levels, levels)
     q[~(nonzero & finite)] = 0
     scale = np.where(finite, scale, _F32(np.nan)).astype(_F32)

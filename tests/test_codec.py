@@ -150,3 +150,37 @@ def test_mixed_layout_slices_contributions_and_sums_alike():
     assert Layout(8, 2, "int4").sums is not None and Layout(8, 2, "int4").sums == Layout(8, 2, "int4")
     with pytest.raises(ValueError):
         Layout(8, 2, "int7-h32/int4-h32")
+
+
+@pytest.mark.parametrize("cd", codec.WIRE_CODECS)
+def test_normal_scales_multiply_by_the_reciprocal_and_never_clip(cd):
+    """codec.py's quantizer: for a normal scale q = rint(fl(v * fl(1 / scale))), which stays within
+    the codec's levels with no clip (the kernels rely on it: they do not clip there), even where
+    truncating the scale to a bfloat16 loses the most (fl(amax / L) just below a bfloat16 step);
+    for a subnormal scale q = clip(rint(v / scale)). Against an independent float64 evaluation."""
+    group, levels = codec.group_size(cd), {"int7-h32": 63}.get(cd, 7)
+    rng = np.random.default_rng(len(cd))
+    n = 4096
+    # amax / L with a mantissa of all ones below the bfloat16 bits: the largest truncation
+    top = (np.float32(levels) * ((rng.integers(100, 140, n) << 23) | 0x7FFF).astype(np.uint32).view(np.float32))
+    g = (rng.uniform(-1, 1, (n, group)) * top[:, None]).astype(np.float32)
+    g[np.arange(n), rng.integers(0, group, n)] = top * np.where(rng.random(n) < 0.5, -1, 1)
+    g[:8] = (rng.uniform(-1, 1, (8, group)) * 2.0 ** -128).astype(np.float32)   # subnormal scales
+    g[:8, 0] = np.float32(2.0 ** -128)
+    # exact ties v / scale = k + 0.5 (bfloat16 scales: amax = L * scale exactly), where the
+    # product by the rounded reciprocal may land on either side
+    s16 = (rng.integers(0x3C00, 0x4400, 1024).astype(np.uint32) << 16).view(np.float32)
+    k = rng.integers(-levels, levels, (1024, group)) + 0.5
+    g[8:1032] = (k * s16[:, None]).astype(np.float32)
+    g[8:1032, 0] = np.float32(levels) * s16
+    q, scale = codec.quantize_groups(g.reshape(-1), group, cd)
+    q = q.reshape(n, group).astype(np.float64)
+    s = scale.astype(np.float64)[:, None]
+    normal = (scale >= 2.0 ** -126)[:, None]
+    with np.errstate(over="ignore"):
+        r = (np.float32(1) / scale.astype(np.float32)).astype(np.float64)[:, None]
+    y = (g.astype(np.float64) * r).astype(np.float32).astype(np.float64)       # fl(v * fl(1 / scale))
+    unclipped = np.rint(np.where(normal, y, g / s))
+    assert normal.sum() >= n - 8 and (~normal).sum() == 8
+    assert np.abs(unclipped[normal[:, 0]]).max() <= levels
+    assert np.array_equal(q, np.clip(unclipped, -levels, levels))

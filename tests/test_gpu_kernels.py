@@ -214,11 +214,11 @@ def tie_slices(rng, layout: Layout) -> np.ndarray:
 @pytest.mark.parametrize("dt", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("cd,group", [(c, codec.group_size(c)) for c in codec.WIRE_CODECS if codec.bf16_scales(c)])
 def test_ties_of_bfloat16_scales_match_numpy(ck, dt, cd, group):
-    """8-bit scales make exact ties of the quotient v / scale common (reduce_quantize.cuh's
-    quantize_values takes its exact path for them): exact ties, quotients about 2^-20 and 2^-24
-    from one, and scales below 2^-102 must give numpy's rint(fl(v / scale)) bit for bit; owners
-    of 1-3 incoming slices, with and without their own term, residuals fed back. The data is
-    checked to hold exact and near ties."""
+    """8-bit scales make exact ties of the quotient v / scale common: exact ties, quotients about
+    2^-20 and 2^-24 from one (where fl(v * fl(1 / scale)) may round either way), and scales below
+    2^-102 must give numpy's codes (codec.quantize_groups) bit for bit; owners of 1-3 incoming
+    slices, with and without their own term, residuals fed back. The data is checked to hold
+    exact and near ties."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng([group, len(dt), len(cd)])
     layout = Layout(S, 1, cd)
