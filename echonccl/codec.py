@@ -338,7 +338,11 @@ def quantize_groups(v: np.ndarray, group: int, codec: str = "int4") -> tuple[np.
         safe = np.where(nonzero, scale, _F32(1))[:, None]
         x = np.where(finite[:, None], g, _F32(0))
         # a normal scale: times its reciprocal fl(1 / scale); a subnormal one: divided
-        q = np.rint(np.where(safe >= _MIN_NORMAL, x * (_F32(1) / safe), x / safe))
+        q = x * (_F32(1) / safe)
+        sub = safe[:, 0] < _MIN_NORMAL
+        if sub.any():
+            q[sub] = x[sub] / safe[sub]
+        q = np.rint(q, out=q)
     q = np.clip(q, -levels, levels)
     q[~(nonzero & finite)] = 0
     scale = np.where(finite, scale, _F32(np.nan)).astype(_F32)
