@@ -510,8 +510,41 @@ __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[
 // registers; docs/notes/fused.md, "The levers"; 3 or 4 steps ahead were no faster). A thread reads only the
 // slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
 // (a later phase of the block reuses the ring).
+// The 16-element loops (reduce_quantize_loop16) keep a warp's 32 units of own input and residual
+// (2 KiB) in a slot, the 8-element loops 32 bytes a thread.
 constexpr int kRingDepth = 2;
-__shared__ uint4 g_ring[kRingDepth][2][ECHO_BLOCK];
+constexpr int kRingParts = 4;
+__shared__ uint4 g_ring[kRingDepth][kRingParts][ECHO_BLOCK];
+
+// ------------------------------------------- 16 elements a thread, coalesced through shared memory
+// A lane of the 16-element loops holds unit u = 32 contiguous bytes of 16-bit data (chunks 2 lane and
+// 2 lane + 1 of its warp's 1 KiB); global loads and stores go through the warp's part of a ring slot
+// in stage_slot<2> order, a lane moving chunks lane and lane + 32, so each instruction covers 512
+// contiguous bytes. Every lane of the warp calls these together.
+constexpr int kWarpRing = 4 * 32;   // chunks of a warp in a slot: own input 0-63, residual 64-127
+__device__ __forceinline__ uint4* warp_ring(int slot) { return &g_ring[slot][0][0] + (threadIdx.x >> 5) * kWarpRing; }
+// The warp's 1 KiB at p copied into r in flight (cp.async; the caller commits).
+__device__ __forceinline__ void unit16_copy_async(uint4* r, const void* p) {
+    const int lane = threadIdx.x & 31;
+    cp_async16(r + stage_slot<2>(lane), reinterpret_cast<const uint4*>(p) + lane);
+    cp_async16(r + stage_slot<2>(lane + 32), reinterpret_cast<const uint4*>(p) + lane + 32);
+}
+// This lane's unit of r, once every lane's copies into r have landed and the warp synchronized.
+__device__ __forceinline__ void unit16_read(const uint4* r, uint4& a, uint4& b) {
+    const int lane = threadIdx.x & 31;
+    a = r[stage_slot<2>(2 * lane)];
+    b = r[stage_slot<2>(2 * lane + 1)];
+}
+// The lanes' units (a, b) stored to the warp's 1 KiB at p through r.
+__device__ __forceinline__ void unit16_store(uint4* r, void* p, const uint4& a, const uint4& b) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    r[stage_slot<2>(2 * lane)] = a;
+    r[stage_slot<2>(2 * lane + 1)] = b;
+    __syncwarp();
+    reinterpret_cast<uint4*>(p)[lane] = r[stage_slot<2>(lane)];
+    reinterpret_cast<uint4*>(p)[lane + 32] = r[stage_slot<2>(lane + 32)];
+}
 
 }  // namespace echo
 

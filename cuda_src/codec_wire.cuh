@@ -179,6 +179,32 @@ __device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t, i64 S
         c.hi = ld_wire_u16<kPeer>(sl + (S >> 1) + 2 * t) | (ld_wire_u8<kPeer>(sl + (S >> 1) + (S >> 2) + t) << 16);
     return c;
 }
+// The 16-element loops' (reduce_quantize_loop16, dequantize_loop16) unit u = threads 2u and 2u + 1:
+// their codes stored (and the scale, by the group's first unit) / loaded, as st_codes / ld_codes do.
+template <int G, int kCodec>
+__device__ __forceinline__ void st_codes16(unsigned char* sl, i64 codes_bytes, i64 u, i64 S, const Codes8& c0,
+                                           const Codes8& c1, float scale) {
+    using W = Wire<G, kCodec>;
+    reinterpret_cast<uint2*>(sl)[u] = make_uint2(c0.lo, c1.lo);
+    if constexpr (W::k7) {
+        reinterpret_cast<u32*>(sl + (S >> 1))[u] = (c0.hi & 0xffffu) | (c1.hi << 16);
+        reinterpret_cast<u16*>(sl + (S >> 1) + (S >> 2))[u] = (u16)(((c0.hi >> 16) & 0xffu) | ((c1.hi >> 8) & 0xff00u));
+    }
+    if (G == 16 || (u & 1) == 0) st_scale<W>(sl + codes_bytes, G == 16 ? u : u >> 1, scale);
+}
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S, Codes8& c0, Codes8& c1) {
+    const uint2 lo = kPeer ? __ldcg(reinterpret_cast<const uint2*>(sl) + u) : __ldg(reinterpret_cast<const uint2*>(sl) + u);
+    c0 = Codes8{lo.x, 0u};
+    c1 = Codes8{lo.y, 0u};
+    if constexpr (Wire<G, kCodec>::k7) {
+        const u32 mid = ld_wire_u32<kPeer>(sl + (S >> 1) + 4 * u);
+        const u32 top = ld_wire_u16<kPeer>(sl + (S >> 1) + (S >> 2) + 2 * u);
+        c0.hi = (mid & 0xffffu) | ((top & 0xffu) << 16);
+        c1.hi = (mid >> 16) | ((top >> 8) << 16);
+    }
+}
+
 // From a slice's scales sc, for thread t of group grp, the stored bits: int4's float32 group
 // scale; int4-h32's bfloat16 group scale (bits 0-15); int7-h32's two bfloat16 scales of the
 // rotation block (t / 4) as one word, the lower group's in bits 0-15. Widened to float32 only

@@ -97,6 +97,57 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
     }
 }
 
+// dequantize_loop for the fused kernels with 16 elements a thread (unit u: elements 16u .. 16u + 15
+// of the slice, the half u & 1 of a rotation block: stage h = 8 inside the thread, h = 16 with
+// lane ^ 1; reduce_quantize_loop16), over units [u_first, u_end) of slice `slice` that lie whole
+// in a 16-byte aligned `out` (u_end a multiple of 32), walked with `stride` (a multiple of 32).
+// Same bits as dequantize_loop.
+template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer>
+__device__ __forceinline__ void dequantize_loop16(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
+                                                  i64 S, i64 slice, i64 u_first, i64 u_end, i64 stride) {
+    using W = Wire<G, kCodec>;
+    static_assert(Traits<OutT>::kBytes == 2 && G <= 32, "16-bit outputs, groups of at most 32");
+    const unsigned char* sl = wire + slice * W::slice_bytes(S);
+    const unsigned char* scales = sl + W::codes_bytes(S);
+    const i64 base = slice * S;
+    const int hb = (int)(u_first & 1);
+    for (i64 u = u_first; u < u_end; u += stride) {
+        Codes8 c0, c1;
+        ld_codes16<G, kCodec, kPeer>(sl, u, S, c0, c1);
+        const u32 sbits = ld_scale_bits<G, kCodec, kPeer>(scales, 2 * u, (2 * u) / W::kLanes);
+        const float scale = scale_of<G, kCodec>(sbits, 2 * u);
+        float v[2][8];
+        decode_codes<kCodec>(c0, v[0]);
+        decode_codes<kCodec>(c1, v[1]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[k][i] = mul_rn(v[k][i], scale);
+        if constexpr (W::kRot) rot_inverse16(v, hb);
+        const u32 nan_bits = unit_nan<G, kCodec>(sbits, 2 * u);
+        const i64 e0 = base + (u << 4);
+        if constexpr (kAcc) {   // a refinement round's: each lane its own 32 bytes
+            if (nan_bits != 0u) {
+                store_nan8<OutT, true>(out, e0, 0, true, nan_bits);
+                store_nan8<OutT, true>(out, e0 + 8, 0, true, nan_bits);
+            } else {
+                store_values8<OutT, kAcc, true>(out, e0, 0, true, v[0]);
+                store_values8<OutT, kAcc, true>(out, e0 + 8, 0, true, v[1]);
+            }
+        } else {
+            uint4 ow[2];
+            if (nan_bits != 0u) {
+                const u32 nan = bits16(Traits<OutT>::nan_of_scale(nan_bits)) * 0x10001u;
+                ow[0] = ow[1] = make_uint4(nan, nan, nan, nan);
+            } else {
+                pack8f<OutT>(v[0], &ow[0]);
+                pack8f<OutT>(v[1], &ow[1]);
+            }
+            unit16_store(warp_ring(0), out + base + ((u - (threadIdx.x & 31)) << 4), ow[0], ow[1]);
+        }
+    }
+}
+
 // The wire parts a decode sums (dequantize with terms > 1, the one-shot quantized all-reduce):
 // part s of n at base + s * stride, each holding the same consecutive slices.
 struct Terms {

@@ -20,10 +20,11 @@
 // and gather only after the peer's contribution to this call; the one-shots, whose readers read
 // until the end of their call, write at once into the push half of the call's epoch parity.
 //
-// A slice is cut into chunks of 256 threads (2048 elements, one block-wide step of the
-// codec bodies); tile j of T is the chunks j, j + T, j + 2T, ...: the blocks working on
-// tiles j, j + 1, ... at one time stream through neighbouring memory, as a grid-stride
-// kernel does. Work items, taken in order from one atomic ticket, phase after phase:
+// A slice is cut into chunks of 2048 elements (256 threads of 8, one block-wide step of the
+// codec bodies; the whole-slice kernels of 16-bit data and residuals run 16 elements a thread,
+// two chunks a step: kLoop16); tile j of T is the chunks j, j + T, j + 2T, ...: the blocks
+// working on tiles j, j + 1, ... at one time stream through neighbouring memory, as a
+// grid-stride kernel does. Work items, taken in order from one atomic ticket, phase after phase:
 //   1. (P - 1) per tile j: quantize this rank's contribution to tile j of peer s's slice
 //      (input + input residual) straight into s's recv slot, then flag it on s;
 //   2. one per tile j of the own slice: wait for the P - 1 contributions, sum in rank order
@@ -152,26 +153,90 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
     return *s_item;
 }
 
+// With 16-bit data and residuals the phases run 16 elements a thread (reduce_quantize_loop16,
+// dequantize_loop16; the owner only with a float32 ref) where the slice lies whole in aligned
+// buffers: one cross-lane rotation stage instead of two, one thread an int7-h32 group (one rank
+// alone, P = 2, 1 GiB: 10% faster than 8 a thread; docs/notes/fused.md). The block's halves take
+// the tile's chunks two at a time (unit_first: a thread's first unit of tile j). In the general
+// kernels the 8-element loop takes what is left: a ragged slice's last warps of units, or every
+// slice of an unaligned buffer (tail_first: a thread's first 8-element index >= t0 in tile j).
+template <typename T, typename ResT, int G>
+constexpr bool kLoop16 = Traits<T>::kBytes == 2 && IsSame<ResT, T>::v && G <= 32;
+__device__ __forceinline__ i64 unit_first(i64 j, i64 ntiles) {
+    return (j + (threadIdx.x >> 7) * ntiles) * (kChunk / 2) + (threadIdx.x & (kChunk / 2 - 1));
+}
+// The units of a slice of S elements that lie whole in n valid ones, in whole warps (32 units).
+__device__ __forceinline__ i64 whole_units(i64 n, i64 S) { return ((n < S ? n : S) >> 9) << 5; }
+__device__ __forceinline__ i64 tail_first(i64 j, i64 ntiles, i64 t0) {
+    const i64 t = j * kChunk + threadIdx.x, step = ntiles * kChunk;
+    return t >= t0 ? t : t + (t0 - t + step - 1) / step * step;
+}
+// Whether tile j holds any of the 8-element threads [t0, t_end) (t0 < t_end): a chunk from t0's on.
+__device__ __forceinline__ bool tile_has_tail(i64 j, i64 ntiles, i64 t0, i64 t_end) {
+    const i64 c0 = t0 / kChunk, c = j >= c0 ? j : j + (c0 - j + ntiles - 1) / ntiles * ntiles;
+    return c * kChunk < t_end;
+}
+
 // The phases' codec work as separate (not inlined) functions: each then gets the registers of
 // its own standalone kernel instead of the union of all three in one loop. The owner writes its
 // own slice of the output as it makes the codes, and reduces its incoming slices one at a time
 // (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
 // Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256. kWhole: the
 // slice lies whole in 16-byte aligned buffers (reduce_quantize_loop's and dequantize_loop's kFull).
-template <typename T, typename ResT, int G, int kCodec, bool kWhole>
-__device__ __noinline__ void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S,
-                                              i64 j, i64 ntiles) {
-    reduce_quantize_loop<T, ResT, float, G, kCodec, false, false, 1, kWhole>(
-        RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S}, j * kChunk + threadIdx.x, S >> 3,
-        ntiles * kChunk);
+// The 8-element loop of a contribution (kOut false) or an owner (kOut, its incoming slices peer memory) over
+// threads [t_first, t_end), kFull as reduce_quantize_loop's: inlined where it is the phase's only loop, a
+// call after the 16-element one (inlined beside it, it made the general owner spill 240 bytes).
+template <bool kOut, int G, int kCodec, int GIn, int kInCodec, bool kFull, typename T, typename ResT, typename RefT,
+          typename OutT>
+__device__ __forceinline__ void loop8_body(const RqArgs<T, ResT, RefT, OutT>& a, i64 t_first, i64 t_end, i64 stride) {
+    reduce_quantize_loop<T, ResT, RefT, G, kCodec, kOut, kOut, 1, kFull, OutT, GIn, kInCodec>(a, t_first, t_end, stride);
 }
-// phase_contribute with the codes also stored to copies[c] + copy_off (one_shot_q's push).
+template <bool kOut, int G, int kCodec, int GIn, int kInCodec, bool kFull, typename T, typename ResT, typename RefT,
+          typename OutT>
+__device__ __noinline__ void loop8_call(const RqArgs<T, ResT, RefT, OutT> a, i64 t_first, i64 t_end, i64 stride) {
+    loop8_body<kOut, G, kCodec, GIn, kInCodec, kFull>(a, t_first, t_end, stride);
+}
+template <bool kCall, bool kOut, int G, int kCodec, int GIn, int kInCodec, bool kFull, typename T, typename ResT,
+          typename RefT, typename OutT>
+__device__ __forceinline__ void loop8(const RqArgs<T, ResT, RefT, OutT>& a, i64 t_first, i64 t_end, i64 stride) {
+    if constexpr (kCall) loop8_call<kOut, G, kCodec, GIn, kInCodec, kFull>(a, t_first, t_end, stride);
+    else loop8_body<kOut, G, kCodec, GIn, kInCodec, kFull>(a, t_first, t_end, stride);
+}
+
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16>
+__device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
+                                                i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
+    const i64 stride = ntiles * kChunk;
+    i64 t0 = 0;   // from here on (8-element threads) the 8-element loop
+    if constexpr (k16) {
+        const i64 ue = kWhole ? S >> 4
+                              : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
+        if (ue > 0)
+            reduce_quantize_loop16<T, G, kCodec, false>(
+                RqArgs<T, T, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
+                unit_first(j, ntiles), ue, stride);
+        t0 = 2 * ue;
+    }
+    if constexpr (!(kWhole && k16)) {
+        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
+            if (t0 > 0) __syncthreads();   // every warp is done with its part of the ring
+            loop8<k16, false, G, kCodec, G, kCodec, kWhole>(
+                RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
+                tail_first(j, ntiles, t0), S >> 3, stride);
+        }
+    }
+}
+template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+__device__ __noinline__ void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
+                                              i64 ntiles) {
+    contribute_tile<T, ResT, G, kCodec, kWhole, kLoop16<T, ResT, G>>(own, own_n, res, wire, S, j, ntiles, nullptr, 0, 0);
+}
+// phase_contribute with the codes also stored to copies[c] + copy_off (one_shot_q's push), 8 elements
+// a thread (at 16 it spilled 100 bytes and one_shot_q ran 2-4% slower one rank alone).
 template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ __noinline__ void phase_push(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
-                                      i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
-    reduce_quantize_loop<T, ResT, float, G, kCodec, false, false, 1, kWhole>(
-        RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
-        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+                                        i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
+    contribute_tile<T, ResT, G, kCodec, kWhole, false>(own, own_n, res, wire, S, j, ntiles, copies, ncopies, copy_off);
 }
 // The owner's reduce: the P - 1 incoming contributions (codec GIn, kInCodec) and its own slice
 // summed, quantized in the sums' codec (G, kCodec) into `wire` and the peers' copies, its output
@@ -184,20 +249,70 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
                                           int ncopies, i64 copy_off, T* out, i64 out_n) {
     constexpr bool kRef32 = !IsSame<RefT, T>::v;      // a float32 ref of 16-bit data: never a base
-    reduce_quantize_loop<T, ResT, RefT, G, kCodec, true, true, 1, kWhole, T, GIn, kInCodec>(
-        RqArgs<T, ResT, RefT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, kRef32 ? nullptr : base,
-                                 kRef32 ? 0 : base_n, copies, ncopies, copy_off, out, out_n},
-        j * kChunk + threadIdx.x, S >> 3, ntiles * kChunk);
+    constexpr bool k16 = kRef32 && kLoop16<T, ResT, G> && GIn <= 32;
+    const i64 stride = ntiles * kChunk;
+    i64 t0 = 0;
+    if constexpr (k16) {
+        const i64 ue = kWhole ? S >> 4
+                              : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
+                                     ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
+        if (ue > 0)
+            reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec>(
+                RqArgs<T, T, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
+                                       copy_off, out, out_n},
+                unit_first(j, ntiles), ue, stride);
+        t0 = 2 * ue;
+    }
+    if constexpr (!(kWhole && k16)) {
+        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
+            if (t0 > 0) __syncthreads();   // every warp is done with its part of the ring
+            loop8<k16, true, G, kCodec, GIn, kInCodec, kWhole>(
+                RqArgs<T, ResT, RefT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, kRef32 ? nullptr : base,
+                                         kRef32 ? 0 : base_n, copies, ncopies, copy_off, out, out_n},
+                tail_first(j, ntiles, t0), S >> 3, stride);
+        }
+    }
+}
+// The 8-element decode over threads [t_first, S / 8): inlined where it is the phase's only loop, a call
+// after the 16-element one.
+template <typename T, int G, int kCodec, bool kWhole>
+__device__ __forceinline__ void decode8_body(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
+                                             i64 t_first, i64 stride, int accumulate) {
+    if (accumulate)
+        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, S >> 3, stride);
+    else
+        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, S >> 3, stride);
+}
+template <typename T, int G, int kCodec, bool kWhole>
+__device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice, i64 t_first,
+                                          i64 stride, int accumulate) {
+    decode8_body<T, G, kCodec, kWhole>(wire, out, count, S, slice, t_first, stride, accumulate);
 }
 template <typename T, int G, int kCodec, bool kWhole>
 __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
-    if (accumulate)
-        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, j * kChunk + threadIdx.x,
-                                                          S >> 3, ntiles * kChunk);
-    else
-        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, j * kChunk + threadIdx.x,
-                                                           S >> 3, ntiles * kChunk);
+    const i64 stride = ntiles * kChunk;
+    i64 t0 = 0;
+    if constexpr (kLoop16<T, T, G>) {
+        const i64 ue = kWhole ? S >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
+        if (ue > 0) {
+            if (accumulate)
+                dequantize_loop16<T, G, true, kCodec, true>(wire, out, S, slice, unit_first(j, ntiles), ue, stride);
+            else
+                dequantize_loop16<T, G, false, kCodec, true>(wire, out, S, slice, unit_first(j, ntiles), ue, stride);
+        }
+        t0 = 2 * ue;
+    }
+    if constexpr (!(kWhole && kLoop16<T, T, G>)) {
+        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {   // (dequantize_loop: no ring)
+            if constexpr (kLoop16<T, T, G>)
+                decode8_call<T, G, kCodec, kWhole>(wire, out, count, S, slice, tail_first(j, ntiles, t0), stride,
+                                                   accumulate);
+            else
+                decode8_body<T, G, kCodec, kWhole>(wire, out, count, S, slice, tail_first(j, ntiles, t0), stride,
+                                                   accumulate);
+        }
+    }
 }
 
 template <typename T, int G, int kCodec, bool kWhole>

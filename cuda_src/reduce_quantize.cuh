@@ -331,6 +331,160 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     if constexpr (kRing) cp_async_wait<0>();
 }
 
+// reduce_quantize_loop for the fused kernels (kBatch = 1; 16-bit input and residual; a float32 ref,
+// no base) with 16 elements a thread: unit u holds elements 16u .. 16u + 15,
+// the half u & 1 of a 32-element rotation block, so the rotation's stage h = 8 stays inside the
+// thread and only h = 16 crosses lanes (lane ^ 1), and an int7-h32 group of 16 is one thread (no
+// shuffle for its amax, one scale a thread). Same bits as reduce_quantize_loop: the same operations
+// on the same operands, in the same order (a lane pair's h = 8 stage, fl(a + b) and fl(a - b), is
+// the in-thread pair's). kOut: the owner (incoming slices read as peer memory, its output slice
+// written); else a contribution (no incoming). Units [u_first, u_end) that lie whole in every
+// buffer, all 16-byte aligned (u_end a multiple of 32), walked with `stride` (a multiple of 32);
+// the ring (g_ring) holds a unit's own input and residual.
+template <typename T, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec>
+__device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float, T>& a, i64 u_first, i64 u_end,
+                                                       i64 stride) {
+    const unsigned char* __restrict__ incoming = a.incoming;
+    const T* __restrict__ own = a.own;
+    T* __restrict__ residual = a.residual;
+    unsigned char* __restrict__ wire_out = a.wire_out;
+    T* __restrict__ out_p = a.out_p;
+    const i64 S = a.S;
+    unsigned char* const* copies = a.copies;
+    const int ncopies = a.ncopies;
+    const i64 copy_off = a.copy_off;
+    using W = Wire<G, kCodec>;
+    using WIn = Wire<GIn, kInCodec>;
+    constexpr bool kRot = W::kRot;
+    static_assert(WIn::kRot == kRot && sizeof(T) == 2 && G <= 32 && GIn <= 32, "a 16-bit, one-domain owner");
+    const i64 in_slice_bytes = WIn::slice_bytes(S);
+    const i64 in_codes_bytes = WIn::codes_bytes(S);
+    const i64 codes_bytes = W::codes_bytes(S);
+    const int nin = (int)a.n_in, opos = (int)a.own_pos;
+    const bool has_res = residual != nullptr;
+
+    const int hb = (int)(u_first & 1);   // the half of its rotation block, fixed
+    const int lane = threadIdx.x & 31;
+    auto ring_issue = [&](i64 uu, int slot) {
+        __syncwarp();   // every lane is done with the slot (its reads, the stores staged through it)
+        if (uu < u_end) {   // whole warps
+            uint4* r = warp_ring(slot);
+            unit16_copy_async(r, own + ((uu - lane) << 4));
+            if (has_res) unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
+        }
+        cp_async_commit();
+    };
+    int slot = 0;
+#pragma unroll
+    for (int d = 0; d + 1 < kRingDepth; ++d) ring_issue(u_first + d * stride, d);
+    for (i64 u = u_first; u < u_end; u += stride) {
+        ring_issue(u + (kRingDepth - 1) * stride, slot == 0 ? kRingDepth - 1 : slot - 1);
+        cp_async_wait<kRingDepth - 1>();
+        __syncwarp();
+        uint4* const r = warp_ring(slot);
+        slot = slot + 1 == kRingDepth ? 0 : slot + 1;
+        uint4 w0, w1;
+        unit16_read(r, w0, w1);
+        float own_v[2][8];
+        if constexpr (kRot) {
+            rot_forward16_raw<T>(w0, w1, own_v, hb);
+        } else {
+            unpack8_16<T>(w0, own_v[0]);
+            unpack8_16<T>(w1, own_v[1]);
+        }
+
+        // Terms in order, own at own_pos, from acc = -0 (see reduce_quantize_loop).
+        float acc[2][8];
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[k][i] = -0.0f;
+        for (int b = 0; b < nin; ++b) {
+            const unsigned char* sl = incoming + (i64)b * in_slice_bytes;
+            Codes8 c0, c1;
+            ld_codes16<GIn, kInCodec, true>(sl, u, S, c0, c1);
+            const u32 sb = ld_scale_bits<GIn, kInCodec, true>(sl + in_codes_bytes, 2 * u, (2 * u) / WIn::kLanes);
+            const float sc = scale_of<GIn, kInCodec>(sb, 2 * u);
+            if (b == opos) {
+                add_terms(acc[0], own_v[0]);
+                add_terms(acc[1], own_v[1]);
+            }
+            add_decoded<kInCodec>(acc[0], c0, sc);
+            add_decoded<kInCodec>(acc[1], c1, sc);
+        }
+        if (opos >= nin) {
+            add_terms(acc[0], own_v[0]);
+            add_terms(acc[1], own_v[1]);
+        }
+        if (has_res) {
+            unit16_read(r + 64, w0, w1);
+            float rv[8];
+            unpack8_16<T>(w0, rv);
+            add_terms(acc[0], rv);
+            unpack8_16<T>(w1, rv);
+            add_terms(acc[1], rv);
+        }
+
+        u32 amax = 0;
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(acc[k][i]));
+        if constexpr (G == 32) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        const bool finite = amax < 0x7f800000u;
+
+        float qf[16];
+        u32 code[16];
+        const float scale = quantize_values<W>(reinterpret_cast<const float (&)[16]>(acc), amax, finite, qf, code);
+        const Codes8 p0 = pack_codes<kCodec>(reinterpret_cast<const u32 (&)[8]>(code[0]));
+        const Codes8 p1 = pack_codes<kCodec>(reinterpret_cast<const u32 (&)[8]>(code[8]));
+        st_codes16<G, kCodec>(wire_out, codes_bytes, u, S, p0, p1, scale);
+        for (int c = 0; c < ncopies; ++c) st_codes16<G, kCodec>(copies[c] + copy_off, codes_bytes, u, S, p0, p1, scale);
+
+        float e[2][8];
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[k][i] = mul_rn(qf[8 * k + i], scale);
+        if (has_res) {
+            // residual = v - fl(q * scale), in the rotated domain; non-finite -> 0
+            const bool plain = plain_residual<float>(amax, false);
+            uint4 rw[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                float d[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    d[i] = sub_rn(acc[k][i], e[k][i]);
+                    if (!plain) d[i] = (finite && is_finite(d[i])) ? d[i] : 0.0f;
+                }
+                pack8f<T>(d, &rw[k]);
+            }
+            unit16_store(r + 64, residual + ((u - lane) << 4), rw[0], rw[1]);
+        }
+        if constexpr (!kOut) continue;
+        // The owner's own slice of the output: e rotated back (dequantize_body's bits).
+        bool unit_finite = finite;
+        if constexpr (kRot) {
+            rot_inverse16(e, hb);
+            if constexpr (W::k7) {   // every lane shuffles (no short-circuit before it)
+                const int partner = __shfl_xor_sync(0xffffffffu, (int)finite, 1);
+                unit_finite = finite && partner != 0;
+            }
+        }
+        uint4 ow[2];
+        if (!unit_finite) {
+            const u32 nan = bits16(Traits<T>::nan_of_scale(W::k7 ? kScaleNaN : fbits(scale))) * 0x10001u;
+            ow[0] = ow[1] = make_uint4(nan, nan, nan, nan);
+        } else {
+            pack8f<T>(e[0], &ow[0]);
+            pack8f<T>(e[1], &ow[1]);
+        }
+        unit16_store(r, out_p + ((u - lane) << 4), ow[0], ow[1]);
+    }
+    cp_async_wait<0>();
+}
+
 // reduce_quantize_loop with one thread per 32-element rotation block (= group): the rotation's
 // h = 8 and 16 stages and the group's amax stay inside the thread (no shuffle). Same bits as
 // reduce_quantize_loop (the same operations on the same operands, in the same order). For the

@@ -109,6 +109,43 @@ __device__ __forceinline__ uint4 rot_signs16(uint4 w, u32 z) {
     return w;
 }
 
+// ------------------------------------- 16 elements a thread: half hb of a block per lane
+// The fused kernels' whole-slice loops (reduce_quantize_loop16, dequantize_loop16) hold elements
+// 16 hb .. 16 hb + 15 of a block as two chunks of 8 (lane-in-block 2 hb and 2 hb + 1): the stage
+// h = 8 pairs the chunks inside the thread (the same fl(a + b), fl(a - b) as the lane pair of
+// rot_butterflies8), h = 16 exchanges with lane ^ 1 (full-mask shuffles: every lane calls these).
+__device__ __forceinline__ void rot_butterflies16(float (&v)[2][8], int hb) {
+    butterflies_in8(v[0]);
+    butterflies_in8(v[1]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float a = v[0][j], b = v[1][j];
+        v[0][j] = add_rn(a, b);
+        v[1][j] = sub_rn(a, b);
+    }
+    const float sgn = hb ? -1.0f : 1.0f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[k][j] = fma_rn(v[k][j], sgn, __shfl_xor_sync(0xffffffffu, v[k][j], 1));
+}
+// The forward from 16-bit elements w0, w1 as loaded (chunks 2 hb and 2 hb + 1): signs on the packed
+// pairs, the factor 2^-5, the butterflies.
+template <typename T16>
+__device__ __forceinline__ void rot_forward16_raw(const uint4& w0, const uint4& w1, float (&v)[2][8], int hb) {
+    unpack8_16<T16>(rot_signs16(w0, rot_sign_word16(2 * hb)), v[0]);
+    unpack8_16<T16>(rot_signs16(w1, rot_sign_word16(2 * hb + 1)), v[1]);
+    rot_scale8(v[0]);
+    rot_scale8(v[1]);
+    rot_butterflies16(v, hb);
+}
+// Inverse: the butterflies, then the signs.
+__device__ __forceinline__ void rot_inverse16(float (&v)[2][8], int hb) {
+    rot_butterflies16(v, hb);
+    rot_signs8(v[0], 2 * hb);
+    rot_signs8(v[1], 2 * hb + 1);
+}
+
 // ------------------------------------- int4-h32, G = 32: a whole block per thread
 // The kernels where that mapping wins (the standalone owner with a 16-bit reference,
 // reduce_quantize_block32; the standalone dequantize into 16 bits, dequantize_block32) use it
