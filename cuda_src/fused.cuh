@@ -21,8 +21,8 @@
 // until the end of their call, write at once into the push half of the call's epoch parity.
 //
 // A slice is cut into chunks of 2048 elements (256 threads of 8, one block-wide step of the
-// codec bodies; the whole-slice kernels of 16-bit data and residuals run 16 elements a thread,
-// two chunks a step: kLoop16); tile j of T is the chunks j, j + T, j + 2T, ...: the blocks
+// codec bodies; with 16-bit data and residuals 16 elements a thread, two chunks a step, where
+// the slice lies whole in aligned buffers: kLoop16); tile j of T is the chunks j, j + T, j + 2T, ...: the blocks
 // working on tiles j, j + 1, ... at one time stream through neighbouring memory, as a
 // grid-stride kernel does. Work items, taken in order from one atomic ticket, phase after phase:
 //   1. (P - 1) per tile j: quantize this rank's contribution to tile j of peer s's slice
@@ -177,12 +177,6 @@ __device__ __forceinline__ bool tile_has_tail(i64 j, i64 ntiles, i64 t0, i64 t_e
     return c * kChunk < t_end;
 }
 
-// The phases' codec work as separate (not inlined) functions: each then gets the registers of
-// its own standalone kernel instead of the union of all three in one loop. The owner writes its
-// own slice of the output as it makes the codes, and reduces its incoming slices one at a time
-// (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
-// Each works on tile j of T: threads j * 256 + threadIdx.x, stepping by T * 256. kWhole: the
-// slice lies whole in 16-byte aligned buffers (reduce_quantize_loop's and dequantize_loop's kFull).
 // The 8-element loop of a contribution (kOut false) or an owner (kOut, its incoming slices peer memory) over
 // threads [t_first, t_end), kFull as reduce_quantize_loop's: inlined where it is the phase's only loop, a
 // call after the 16-element one (inlined beside it, it made the general owner spill 240 bytes).
@@ -203,6 +197,14 @@ __device__ __forceinline__ void loop8(const RqArgs<T, ResT, RefT, OutT>& a, i64 
     else loop8_body<kOut, G, kCodec, GIn, kInCodec, kFull>(a, t_first, t_end, stride);
 }
 
+// The phases' codec work as separate (not inlined) functions: each then gets the registers of
+// its own standalone kernel instead of the union of all three in one loop. The owner writes its
+// own slice of the output as it makes the codes, and reduces its incoming slices one at a time
+// (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
+// Each works on tile j of T: 8-element threads j * 256 + threadIdx.x, stepping by T * 256 (the
+// 16-element loops: unit_first). kWhole: the slice lies whole in 16-byte aligned buffers
+// (reduce_quantize_loop's and dequantize_loop's kFull). contribute_tile: a contribution's tile, phase_contribute's and phase_push's body (k16: the
+// 16-element loop where it applies).
 template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16>
 __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                                 i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
