@@ -197,36 +197,51 @@ __device__ __forceinline__ void loop8(const RqArgs<T, ResT, RefT, OutT>& a, i64 
     else loop8_body<kOut, G, kCodec, GIn, kInCodec, kFull>(a, t_first, t_end, stride);
 }
 
+// Tile j of a phase: f16(u_first, ue) on its units below ue (the 16-element loop; none if ue is 0),
+// then, where the phase has the 8-element loop too (kTail), f8(t_first) on its 8-element threads
+// from 2 ue on, if the tile holds any (after a barrier where both loops ran: they use the ring
+// differently, kSync).
+template <bool kTail, bool kSync, typename F16, typename F8>
+__device__ __forceinline__ void split_tile(i64 ue, i64 S, i64 j, i64 ntiles, const F16& f16, const F8& f8) {
+    if (ue > 0) f16(unit_first(j, ntiles), ue);
+    if constexpr (kTail) {
+        const i64 t0 = 2 * ue;
+        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
+            if (kSync && t0 > 0) __syncthreads();
+            f8(tail_first(j, ntiles, t0));
+        }
+    }
+}
+
 // The phases' codec work as separate (not inlined) functions: each then gets the registers of
 // its own standalone kernel instead of the union of all three in one loop. The owner writes its
 // own slice of the output as it makes the codes, and reduces its incoming slices one at a time
 // (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
 // Each works on tile j of T: 8-element threads j * 256 + threadIdx.x, stepping by T * 256 (the
 // 16-element loops: unit_first). kWhole: the slice lies whole in 16-byte aligned buffers
-// (reduce_quantize_loop's and dequantize_loop's kFull). contribute_tile: a contribution's tile, phase_contribute's and phase_push's body (k16: the
-// 16-element loop where it applies).
+// (reduce_quantize_loop's and dequantize_loop's kFull). contribute_tile: a contribution's tile,
+// phase_contribute's and phase_push's body (k16: the 16-element loop where it applies).
 template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16>
 __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                                 i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
     const i64 stride = ntiles * kChunk;
-    i64 t0 = 0;   // from here on (8-element threads) the 8-element loop
-    if constexpr (k16) {
-        const i64 ue = kWhole ? S >> 4
-                              : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
-        if (ue > 0)
-            reduce_quantize_loop16<T, G, kCodec, false>(
-                RqArgs<T, T, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
-                unit_first(j, ntiles), ue, stride);
-        t0 = 2 * ue;
-    }
-    if constexpr (!(kWhole && k16)) {
-        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
-            if (t0 > 0) __syncthreads();   // every warp is done with its part of the ring
+    i64 ue = 0;
+    if constexpr (k16)
+        ue = kWhole ? S >> 4 : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
+    split_tile<!(kWhole && k16), true>(
+        ue, S, j, ntiles,
+        [&](i64 u_first, i64 u_end) {
+            if constexpr (k16)
+                reduce_quantize_loop16<T, G, kCodec, false>(
+                    RqArgs<T, T, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
+                                           copy_off},
+                    u_first, u_end, stride);
+        },
+        [&](i64 t_first) {
             loop8<k16, false, G, kCodec, G, kCodec, kWhole>(
                 RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
-                tail_first(j, ntiles, t0), S >> 3, stride);
-        }
-    }
+                t_first, S >> 3, stride);
+        });
 }
 template <typename T, typename ResT, int G, int kCodec, bool kWhole>
 __device__ __noinline__ void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
@@ -253,27 +268,26 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
     constexpr bool kRef32 = !IsSame<RefT, T>::v;      // a float32 ref of 16-bit data: never a base
     constexpr bool k16 = kRef32 && kLoop16<T, ResT, G> && GIn <= 32;
     const i64 stride = ntiles * kChunk;
-    i64 t0 = 0;
-    if constexpr (k16) {
-        const i64 ue = kWhole ? S >> 4
-                              : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
-                                     ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
-        if (ue > 0)
-            reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec>(
-                RqArgs<T, T, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
-                                       copy_off, out, out_n},
-                unit_first(j, ntiles), ue, stride);
-        t0 = 2 * ue;
-    }
-    if constexpr (!(kWhole && k16)) {
-        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
-            if (t0 > 0) __syncthreads();   // every warp is done with its part of the ring
+    i64 ue = 0;
+    if constexpr (k16)
+        ue = kWhole ? S >> 4
+                    : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
+                           ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
+    split_tile<!(kWhole && k16), true>(
+        ue, S, j, ntiles,
+        [&](i64 u_first, i64 u_end) {
+            if constexpr (k16)
+                reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec>(
+                    RqArgs<T, T, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
+                                           ncopies, copy_off, out, out_n},
+                    u_first, u_end, stride);
+        },
+        [&](i64 t_first) {
             loop8<k16, true, G, kCodec, GIn, kInCodec, kWhole>(
                 RqArgs<T, ResT, RefT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, kRef32 ? nullptr : base,
                                          kRef32 ? 0 : base_n, copies, ncopies, copy_off, out, out_n},
-                tail_first(j, ntiles, t0), S >> 3, stride);
-        }
-    }
+                t_first, S >> 3, stride);
+        });
 }
 // The 8-element decode over threads [t_first, S / 8): inlined where it is the phase's only loop, a call
 // after the 16-element one.
@@ -293,28 +307,22 @@ __device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64
 template <typename T, int G, int kCodec, bool kWhole>
 __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
+    constexpr bool k16 = kLoop16<T, T, G>;
     const i64 stride = ntiles * kChunk;
-    i64 t0 = 0;
-    if constexpr (kLoop16<T, T, G>) {
-        const i64 ue = kWhole ? S >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
-        if (ue > 0) {
-            if (accumulate)
-                dequantize_loop16<T, G, true, kCodec, true>(wire, out, S, slice, unit_first(j, ntiles), ue, stride);
-            else
-                dequantize_loop16<T, G, false, kCodec, true>(wire, out, S, slice, unit_first(j, ntiles), ue, stride);
-        }
-        t0 = 2 * ue;
-    }
-    if constexpr (!(kWhole && kLoop16<T, T, G>)) {
-        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {   // (dequantize_loop: no ring)
-            if constexpr (kLoop16<T, T, G>)
-                decode8_call<T, G, kCodec, kWhole>(wire, out, count, S, slice, tail_first(j, ntiles, t0), stride,
-                                                   accumulate);
-            else
-                decode8_body<T, G, kCodec, kWhole>(wire, out, count, S, slice, tail_first(j, ntiles, t0), stride,
-                                                   accumulate);
-        }
-    }
+    i64 ue = 0;
+    if constexpr (k16) ue = kWhole ? S >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
+    split_tile<!(kWhole && k16), false>(   // (dequantize_loop: no ring)
+        ue, S, j, ntiles,
+        [&](i64 u_first, i64 u_end) {
+            if constexpr (k16) {
+                if (accumulate) dequantize_loop16<T, G, true, kCodec, true>(wire, out, S, slice, u_first, u_end, stride);
+                else dequantize_loop16<T, G, false, kCodec, true>(wire, out, S, slice, u_first, u_end, stride);
+            }
+        },
+        [&](i64 t_first) {
+            if constexpr (k16) decode8_call<T, G, kCodec, kWhole>(wire, out, count, S, slice, t_first, stride, accumulate);
+            else decode8_body<T, G, kCodec, kWhole>(wire, out, count, S, slice, t_first, stride, accumulate);
+        });
 }
 
 template <typename T, int G, int kCodec, bool kWhole>
