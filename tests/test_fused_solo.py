@@ -213,8 +213,9 @@ def test_solo_region_is_what_fused_paths_uses():
 # `_EmuLaunch` runs rank 0's fused kernel from its arguments as cuda_src/fused.cuh does, reading
 # and writing memory by address through its `PeerTable`: its epoch from Ctl, every wait a check
 # that the flag has reached the epoch (else Ctl.error, as a wait that times out), the work with
-# the numpy kernels, the flags it sets, the epoch it publishes. What it does not model: blocks
-# running at once (the waits of one launch are taken in phase order).
+# the numpy kernels, the flags it sets, the epoch it publishes; a ticket set before the launch skips
+# the phases whose items lie below it. What it does not model: blocks running at once (the waits of
+# one launch are taken in phase order).
 class _Dev(np.ndarray):
     @property
     def data(self):            # cupy's MemoryPointer: .ptr
@@ -230,6 +231,7 @@ _DT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "
 
 class _EmuLaunch:
     launches: list = []
+    firsts: list = []
 
     def __init__(self, kernel, grid, args):
         self.kernel, self.grid, self.args = kernel, grid, [int(a) for a in args]
@@ -248,6 +250,7 @@ class _EmuLaunch:
         B, k, dt, rdt = L.slice_bytes, NumpyKernels(), _DT[kern.dtype], _DT[kern.res]
         c, tab = _mem(ctl, 16, np.uint32), _mem(table, 8 * (7 * MAX_RANKS + 1), np.uint64)
         epoch = np.uint32(int(c[0]) + 1)
+        first = int(c[1])                                 # the ticket: the first item taken
 
         def flags(r):
             return _mem(int(tab[2 * MAX_RANKS + r]), 4 * (2 * P - 1) * mt, np.uint32)
@@ -262,16 +265,18 @@ class _EmuLaunch:
         rin = _mem(res_in, codec.residual_size(P * S, rdt) * rdt.itemsize, rdt)
         js = np.arange(T)
         _EmuLaunch.launches.append((kern.name, ctl, int(epoch)))
+        _EmuLaunch.firsts.append(first)
         if two:
-            for s in range(1, P):                         # 1. contributions into peer s's recv
+            for s in range(1, P) if first < (P - 1) * T else ():   # 1. contributions into peer s's recv
                 slot = rank if rank < s else rank - 1
                 lo, hi = L.bounds(s)
                 _quantize(k, L, X[lo:hi], codec.residual_span(rin, s * S, (s + 1) * S),
                           _mem(int(tab[s]) + slot * B, B))
                 flags(s)[slot * mt + js] = epoch
-            if waited(np.concatenate([i * mt + js for i in range(P - 1)])):   # 2. the owner
+            Bs = L.sums.slice_bytes                       # the owners' codes: the sums' codec
+            ok = first >= P * T or waited(np.concatenate([i * mt + js for i in range(P - 1)]))
+            if first < P * T and ok:                      # 2. the owner
                 lo, hi = L.bounds(rank)
-                Bs = L.sums.slice_bytes                   # the owners' codes: the sums' codec
                 wire = np.empty(Bs, np.uint8)             # into the peers' gather only
                 k.reduce_quantize(L, _mem(int(tab[rank]), (P - 1) * B).copy(), rank, X[lo:hi],
                                   _mem(res_out, codec.residual_size(S, rdt) * rdt.itemsize, rdt), wire,
@@ -280,10 +285,15 @@ class _EmuLaunch:
                     _mem(int(tab[4 * MAX_RANKS + i]) + rank * Bs, Bs)[:] = wire
                 for s in range(1, P):
                     flags(s)[(P - 1 + rank) * mt + js] = epoch
-                if waited(np.concatenate([(P - 1 + s) * mt + js for s in range(1, P)])):   # 3. decode
-                    gather = _mem(int(tab[MAX_RANKS + rank]), P * Bs).copy()
+            if ok and waited(np.concatenate([(P - 1 + s) * mt + js for s in range(1, P)])):   # 3. decode
+                gather = _mem(int(tab[MAX_RANKS + rank]), P * Bs).copy()
+                if first < P * T:
                     gather[rank * Bs:(rank + 1) * Bs] = wire  # the owner writes its own slice of out
                     k.dequantize(L.sums, gather, OUT)
+                else:                                     # the peers' slices alone
+                    dec = np.empty_like(OUT)
+                    k.dequantize(L.sums, gather, dec)
+                    OUT[L.bounds(rank)[1]:] = dec[L.bounds(rank)[1]:]
         else:
             half, part = (int(epoch) & 1) * int(tab[7 * MAX_RANKS]), P * B
             tiles = np.arange(P * T)
@@ -298,7 +308,7 @@ class _EmuLaunch:
                 flags(s)[(P - 1 + rank) * mt + tiles] = epoch
             if waited(np.concatenate([(P - 1 + s) * mt + tiles for s in range(P)])):   # 2. decode the sum
                 k.dequantize(L, _mem(int(tab[5 * MAX_RANKS + rank]) + half, P * part).copy(), OUT, terms=P)
-        c[0] = epoch                                      # end_call, whether or not a wait failed
+        c[0], c[1] = epoch, 0                             # end_call, whether or not a wait failed
 
 
 class _RawModule:
@@ -307,9 +317,11 @@ class _RawModule:
 
     def get_function(self, name):
         def arm(grid, block, args):
-            ctl, flags, n, lo, hi = args
+            ctl, flags, n, lo, hi, ticket = args
             i = np.arange(flags.size)
             flags[(i < n) & ((i < lo) | (i >= hi))] = np.uint32(int(ctl[0]) + 1)
+            if ticket >= 0:
+                ctl[1] = np.uint32(ticket)
         return {"echo_solo_arm": arm, "echo_solo_spin": lambda grid, block, args: None}[name]
 
 
@@ -350,6 +362,7 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(kc, "CudaKernels", NumpyKernels)
     monkeypatch.setattr(fused, "_Launch", _EmuLaunch)
     monkeypatch.setattr(_EmuLaunch, "launches", [])
+    monkeypatch.setattr(_EmuLaunch, "firsts", [])
     kb = types.ModuleType("kernel_bench")
     kb.copy_bandwidth = lambda nbytes, iters: 4.0
     monkeypatch.setitem(sys.modules, "kernel_bench", kb)
@@ -375,6 +388,31 @@ def test_run_solo_end_to_end_on_an_emulated_gpu(emulated_gpu):
     for _, ctl, e in _EmuLaunch.launches:   # perhaps at a freed one's address)
         assert e in (1, last.get(ctl, 0) + 1)
         last[ctl] = e
+
+
+def test_phases_time_the_launches_from_each_phase_on(emulated_gpu, capsys):
+    """--phases: each two-shot kernel also from its owner items on ((P - 1) T) and its decode items
+    on (P T); the ticket is back at 0 for the next launch; the phase table's floors are the phases'."""
+    P, nbytes = 3, 2 * 3 * 4096
+    res = fused_solo.run_solo([P], [nbytes], kernels=["whole", "q"], iters=2, reps=1, phases=True)
+    c = res[(P, nbytes)]
+    assert c["whole"].check == "ok" and c["whole"].later == {"owner": [12.5], "decode": [12.5]}
+    assert c["q"].later == {}
+    T = fused_tiles(4096)
+    # both checks, then whole: all, from the owner on, from the decode on (3 warm-ups, 2 timed each); q
+    assert _EmuLaunch.firsts == [0] * 7 + [(P - 1) * T] * 5 + [P * T] * 5 + [0] * 5
+    assert fused_solo.main(["--ranks", "2", "--sizes", "16K", "--iters", "2", "--reps", "1", "--codec",
+                            "int4-h32", "--kernels", "whole", "--phases"]) == 0
+    out = capsys.readouterr().out
+    assert "two-shot phases" in out and "| 16 KiB | whole | 0.0 | 0.0 | 12.5 (0%) | 12.5 |" in out
+
+
+def test_phase_bytes_add_up_to_the_floor():
+    for P, cd, rdt in ((2, codec.MIXED, BF16), (4, "int4-h32", np.dtype(np.float32)), (8, "int4", None)):
+        L = Layout(P * 3 * 4096, P, cd)
+        ph = fused_solo.phase_bytes(L, 2, rdt)
+        assert sum(ph.values()) == fused_solo.floor_bytes("two_shot", L, 2, rdt), (P, cd)
+        assert ph["decode"] == (P - 1) * (L.sums.slice_bytes + 2 * L.slice_elems)
 
 
 @pytest.mark.parametrize("cd,rdt,rounding", [("int4", "float32", False), ("int7-h32", "int8", True),

@@ -4,7 +4,7 @@ peer buffers filled as its peers would have left them: a lower bound of the P-GP
 
     python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
         [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
-        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10]
+        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10] [--phases]
     python tools/fused_bench.py --solo [the same options]
 
 One process, no MPI peers, no MPS: the MPS proxy (`tools/fused_bench.py` under
@@ -43,6 +43,12 @@ so that host gaps do not count. The grid is the whole GPU's (`kernel_table.FUSED
 SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
 prints ``-``: the communicator would take the NCCL path for it.
 
+Phases (``--phases``): each two-shot kernel is timed three ways, the `arm` before each launch
+setting the ticket (Ctl's second word) to the first item of a phase, so that the launch skips the
+phases before it: from the contributions (the all-reduce), from the owner's items, from the decode's.
+A phase's time is its launch's beyond the next phase's launch: what it adds where the kernel ends,
+overlap included; each against its own byte floor (`phase_bytes`).
+
 Byte floor (`floor_bytes`): what one rank's kernel moves through HBM per all-reduce of n
 elements, t bytes each, slices of S elements and B wire bytes, residual slices of R bytes: input
 read and output written 2 t n, residuals read and written 2 P R; wire, two-shot 2 (P - 1) B
@@ -70,12 +76,14 @@ KERNELS = ("general", "whole", "q", "q_whole")
 FAMILY = {"general": "two_shot", "whole": "two_shot", "q": "one_shot_q", "q_whole": "one_shot_q"}
 _SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
 
-# The arm kernel (every flag of rank 0's region but its own gather slot: its next epoch) and a
-# spin that holds the stream while the host queues the timed launches.
+# The arm kernel (every flag of rank 0's region but its own gather slot: its next epoch; the
+# ticket, Ctl's second word, to `ticket` unless it is negative) and a spin that holds the stream
+# while the host queues the timed launches.
 ARM_SOURCE = r"""
-extern "C" __global__ void echo_solo_arm(const unsigned int* ctl, unsigned int* flags, long long n,
-                                         long long skip_lo, long long skip_hi) {
+extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags, long long n,
+                                         long long skip_lo, long long skip_hi, long long ticket) {
     const unsigned int epoch = *((volatile const unsigned int*)ctl) + 1u;   // Ctl.epoch: its first word
+    if (ticket >= 0 && blockIdx.x == 0 && threadIdx.x == 0) ctl[1] = (unsigned int)ticket;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         if (i < skip_lo || i >= skip_hi) flags[i] = epoch;
@@ -172,6 +180,18 @@ def floor_bytes(family: str, layout, itemsize: int, res_dtype) -> int:
     return 2 * itemsize * n + 2 * P * R + wire
 
 
+def phase_bytes(layout, itemsize: int, res_dtype) -> dict:
+    """`floor_bytes` of a two-shot by phase: ``contribute`` (P - 1 slices of input read, residual
+    read and written, codes written), ``owner`` (the own input slice, P - 1 incoming slices read, its
+    residual, its codes written to P - 1 peers, its output slice) and ``decode`` (P - 1 owners'
+    codes read, output slices written)."""
+    P, S, B, Bs = layout.nranks, layout.slice_elems, layout.slice_bytes, layout.sums.slice_bytes
+    R = 0 if res_dtype is None else codec.residual_size(S, res_dtype) * np.dtype(res_dtype).itemsize
+    tS = itemsize * S
+    return {"contribute": (P - 1) * (tS + 2 * R + B), "owner": 2 * tS + 2 * R + (P - 1) * (B + Bs),
+            "decode": (P - 1) * (Bs + tS)}
+
+
 @dataclass
 class PeerData:
     """What P ranks' first call (zero residuals) makes, `peer_data`: ``C`` the contributions,
@@ -257,6 +277,8 @@ class Case:
     check: str = ""          # "ok", or what differed; "" before the check ran
     whole: bool = False      # the whole-slice kernel ran (a "whole" one falls back on ragged slices)
     fits: bool = True
+    later: dict = field(default_factory=dict)   # two-shot, --phases: "owner" / "decode": the times of
+                                                # launches that start there (the phases before skipped)
 
 
 class _Solo:
@@ -268,30 +290,32 @@ class _Solo:
         mod = cp.RawModule(code=ARM_SOURCE)
         self.arm_k, self.spin_k = mod.get_function("echo_solo_arm"), mod.get_function("echo_solo_spin")
 
-    def arm(self, region) -> None:
-        """Enqueue the arm of ``region`` (`armed_range`) on the current stream."""
+    def arm(self, region, ticket: int = -1) -> None:
+        """Enqueue the arm of ``region`` (`armed_range`) on the current stream; ``ticket`` >= 0:
+        the launch after it starts at that work item (the ones before it skipped)."""
         got = region._arm          # (grid, args), kept on the region (freed with it)
         if got is None:
             n, lo, hi = armed_range(region.size, region.max_tiles)
             args = (region.bufs[0][:16].view(np.uint32), region.flags(), np.int64(n), np.int64(lo), np.int64(hi))
             got = region._arm = ((max(1, min(-(-n // 256), 1024)),), args)
-        self.arm_k(got[0], (256,), got[1])
+        self.arm_k(got[0], (256,), got[1] + (np.int64(ticket),))
 
     def spin(self, ns: int) -> None:
         self.spin_k((1,), (1,), (np.int64(ns),))
 
-    def time_us(self, run, region, iters: int) -> float:
-        """Median of per-launch CUDA-event times (us) of ``run``, armed before each, after 3 warm-ups."""
+    def time_us(self, run, region, iters: int, ticket: int = -1) -> float:
+        """Median of per-launch CUDA-event times (us) of ``run``, armed (``ticket``: `arm`'s) before
+        each, after 3 warm-ups."""
         import cupy as cp
 
         stream = cp.cuda.get_current_stream()
         for _ in range(3):
-            self.arm(region)
+            self.arm(region, ticket)
             run(stream)
         ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
         self.spin(2_000_000 + 100_000 * iters)      # the host queues every launch meanwhile
         for a, b in ev:
-            self.arm(region)
+            self.arm(region, ticket)
             a.record(stream)
             run(stream)
             b.record(stream)
@@ -304,9 +328,12 @@ class PeerTimeout(RuntimeError):
 
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
-             rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None) -> dict:
+             rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
+             phases=False) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
-    `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P."""
+    `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
+    each two-shot kernel is also timed from its first owner item and from its first decode item
+    (`_Solo.arm`'s ticket; ``Case.later``)."""
     import cupy as cp
 
     from echonccl import dtypes, fused
@@ -372,6 +399,10 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 for kn, run in runs.items():
                     region = paths[FAMILY[kn]][0].peers.regions[-1]
                     cases[kn].times.append(solo.time_us(run, region, iters))
+                    if phases and FAMILY[kn] == "two_shot":
+                        T = peer_memory.fused_tiles(layout.slice_elems)
+                        for name, first in (("owner", (P - 1) * T), ("decode", P * T)):
+                            cases[kn].later.setdefault(name, []).append(solo.time_us(run, region, iters, first))
                     cp.cuda.runtime.deviceSynchronize()
                     _check_timeout(region, P, nbytes, kn)
                     if not _finite_bf16(out):
@@ -414,7 +445,29 @@ def _compare(out, want) -> str:
             f"{got.tolist()} against {exp.tolist()})")
 
 
-# -------------------------------------------------------------------------------- the table
+# -------------------------------------------------------------------------------- the tables
+def phase_table(P, cases_by_size, kernels, copy_tbs, phase_floors) -> str:
+    """Markdown: each two-shot kernel's time by phase (best reps; a phase is what the launch from
+    it on takes beyond the launch from the next phase on), each with its floor's share of it."""
+    rows = [(nbytes, kn, cases[kn]) for nbytes, cases in cases_by_size for kn in kernels
+            if cases[kn].later and cases[kn].times]
+    if not rows:
+        return ""
+    from echonccl.perf.options import format_size
+
+    lines = [f"## P = {P}: two-shot phases, us (and the phase's HBM floor at {copy_tbs:.2f} TB/s, % of it): "
+             "contribute = all - from owner on, owner = from owner on - decode alone", "",
+             "| size | kernel | contribute | owner | decode | all |", "|---:|---|---:|---:|---:|---:|"]
+    for nbytes, kn, c in rows:
+        t_all, t_own, t_dec = min(c.times), min(c.later["owner"]), min(c.later["decode"])
+        cells = []
+        for name, t in (("contribute", t_all - t_own), ("owner", t_own - t_dec), ("decode", t_dec)):
+            floor_us = phase_floors[(P, nbytes)][name] / copy_tbs / 1e6
+            cells.append(f"{t:.1f} ({100 * floor_us / t:.0f}%)" if t > 0 else f"{t:.1f}")
+        lines.append(f"| {format_size(nbytes)} | {kn} | " + " | ".join(cells) + f" | {t_all:.1f} |")
+    return "\n".join(lines)
+
+
 def table(P, cases_by_size, kernels, iters, copy_tbs, floors) -> str:
     """Markdown: times (us, one per rep), then the floors and implied bandwidths."""
     from echonccl.perf.options import format_size
@@ -467,6 +520,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
     p.add_argument("--max-bytes", default=None, help="largest region (default: the communicator's, 4G)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
+    p.add_argument("--phases", action="store_true",
+                   help="time the two-shot kernels from their owner and decode phases on too: a time by phase")
     a = p.parse_args(argv)
     a.rounding = a.rounding or ("on" if DEFAULT_ROUNDING else "off")
 
@@ -490,12 +545,13 @@ def main(argv=None) -> int:
     cp.get_default_memory_pool().free_all_blocks()
     bf16 = dtypes.numpy_dtype("bfloat16")
     res_dt = codec.residual_dtype(a.residual, bf16)
-    floors = {}
+    floors, phase_floors = {}, {}
     for P in a.ranks:
         for nbytes in sizes:
             L = Layout(nbytes // 2, P, a.codec)
             floors[(P, nbytes)] = {f: (b, b / L.count) for f in ("two_shot", "one_shot_q")
                                    for b in [floor_bytes(f, L, 2, res_dt)]}
+            phase_floors[(P, nbytes)] = phase_bytes(L, 2, res_dt)
     print(f"# fused kernels, one rank alone on one GPU (rank 0 of P; peers' data pre-filled), {a.codec}, bf16, "
           f"{a.residual} residuals, rounding {a.rounding}, grid {grid}, device-to-device copy {copy_tbs:.2f} TB/s",
           flush=True)
@@ -504,12 +560,14 @@ def main(argv=None) -> int:
     def report(P, res):
         rows = [(nbytes, res[(P, nbytes)]) for nbytes in sizes]
         print(table(P, rows, a.kernels, a.iters, copy_tbs, floors) + "\n", flush=True)
+        if a.phases:
+            print(phase_table(P, rows, a.kernels, copy_tbs, phase_floors) + "\n", flush=True)
         mismatches.extend(f"P={P} {nbytes} bytes {c.kernel}: {c.check}"
                           for nbytes, cases in rows for c in cases.values() if c.fits and c.check != "ok")
 
     try:
         run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
-                 a.timeout, max_bytes, report)
+                 a.timeout, max_bytes, report, a.phases)
     except PeerTimeout as exc:
         print(exc, file=sys.stderr)
         return 2
