@@ -237,6 +237,9 @@ class _EmuLaunch:
         self.kernel, self.grid, self.args = kernel, grid, [int(a) for a in args]
 
     def __call__(self, stream) -> None:
+        if getattr(stream, "captured", None) is not None:      # a graph being captured: replayed later
+            stream.captured.append(self)
+            return
         kern, a = self.kernel, self.args
         two = kern.family == "two_shot"
         if two:
@@ -317,12 +320,38 @@ class _RawModule:
 
     def get_function(self, name):
         def arm(grid, block, args):
-            ctl, flags, n, lo, hi, ticket = args
+            ctl, flags, n, lo, hi, ticket, ahead = args
             i = np.arange(flags.size)
-            flags[(i < n) & ((i < lo) | (i >= hi))] = np.uint32(int(ctl[0]) + 1)
+            flags[(i < n) & ((i < lo) | (i >= hi))] = np.uint32(int(ctl[0]) + int(ahead))
             if ticket >= 0:
                 ctl[1] = np.uint32(ticket)
         return {"echo_solo_arm": arm, "echo_solo_spin": lambda grid, block, args: None}[name]
+
+
+class _Stream:
+    """A stream whose captures record `_EmuLaunch`es; the graph replays them."""
+
+    ptr = 0
+    captured = None
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+    def begin_capture(self):
+        self.captured = []
+
+    def end_capture(self):
+        calls, self.captured = self.captured, None
+        return types.SimpleNamespace(launch=lambda stream: [c(stream) for c in calls])
 
 
 class _Event:
@@ -346,8 +375,8 @@ def _fake_cupy():
         standard_normal=lambda n, dtype: np.random.default_rng(seed).standard_normal(n, dtype=dtype).view(_Dev)))
     cp.RawModule = _RawModule
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
-    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
-    cp.cuda = types.SimpleNamespace(
+    stream = _Stream()
+    cp.cuda = types.SimpleNamespace(Stream=_Stream,
         runtime=types.SimpleNamespace(getDevice=lambda: 0, deviceSynchronize=lambda: None),
         Device=lambda d: types.SimpleNamespace(attributes={"MultiProcessorCount": 2}),
         get_current_stream=lambda: stream, Event=_Event, get_elapsed_time=lambda a, b: 0.0125)
@@ -405,6 +434,25 @@ def test_phases_time_the_launches_from_each_phase_on(emulated_gpu, capsys):
                             "int4-h32", "--kernels", "whole", "--phases"]) == 0
     out = capsys.readouterr().out
     assert "two-shot phases" in out and "| 16 KiB | whole | 0.0 | 0.0 | 12.5 (0%) | 12.5 |" in out
+
+
+def test_graph_replays_calls_armed_ahead(emulated_gpu, capsys):
+    """-G: each kernel's calls captured once and replayed, one arm ahead of each replay satisfying
+    the waits of all its calls (no timeout, epochs 1, 2, 3, ... of each region); us per call."""
+    P, nbytes, iters = 3, 2 * 3 * 4096, 4
+    res = fused_solo.run_solo([P], [nbytes], kernels=["whole", "q"], iters=iters, reps=2, graph=True)
+    for c in res[(P, nbytes)].values():
+        assert c.check == "ok" and c.times == [12.5, 12.5] and c.graph == [12.5 / iters] * 2
+    # per kernel: the check; each rep eager 3 + iters, graph 3 warm-ups and 6 replays of iters
+    assert len(_EmuLaunch.launches) == 2 * (1 + 2 * (3 + iters + 3 + 6 * iters))
+    last: dict = {}
+    for _, ctl, e in _EmuLaunch.launches:
+        assert e in (1, last.get(ctl, 0) + 1)
+        last[ctl] = e
+    assert fused_solo.main(["--ranks", "2", "--sizes", "16K", "--iters", "2", "--reps", "1", "--codec",
+                            "int4-h32", "--kernels", "whole", "-G"]) == 0
+    out = capsys.readouterr().out
+    assert "a CUDA graph of 2 calls" in out and "| 16 KiB | 6.2 |" in out
 
 
 def test_phase_bytes_add_up_to_the_floor():

@@ -4,7 +4,7 @@ peer buffers filled as its peers would have left them: a lower bound of the P-GP
 
     python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
         [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
-        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10] [--phases]
+        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10] [--phases] [-G]
     python tools/fused_bench.py --solo [the same options]
 
 One process, no MPI peers, no MPS: the MPS proxy (`tools/fused_bench.py` under
@@ -39,7 +39,10 @@ reuse the first call's peer data with rank 0's residuals moving on: the same wor
 stay finite (checked), but no longer an all-reduce. A kernel that gives up waiting (``ctl.error``)
 stops the run. Timing: CUDA events around the fused launch alone, median of ``--iters`` after 3
 warm-ups, each kernel ``--reps`` times in alternation; the launches are queued behind a spin kernel
-so that host gaps do not count. The grid is the whole GPU's (`kernel_table.FUSED_BLOCKS_PER_SM` a
+so that host gaps do not count. ``-G`` (``--graph``): each kernel also captured ``--iters`` calls
+to a CUDA graph, the graph replayed 5 times after one `arm` each (its flags ``--iters`` epochs on,
+which the waits of all those calls accept), us per call the median replay's time over ``--iters``:
+echonccl-perf's ``-G``, without the launch gaps of eager calls. The grid is the whole GPU's (`kernel_table.FUSED_BLOCKS_PER_SM` a
 SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
 prints ``-``: the communicator would take the NCCL path for it.
 
@@ -76,13 +79,15 @@ KERNELS = ("general", "whole", "q", "q_whole")
 FAMILY = {"general": "two_shot", "whole": "two_shot", "q": "one_shot_q", "q_whole": "one_shot_q"}
 _SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
 
-# The arm kernel (every flag of rank 0's region but its own gather slot: its next epoch; the
-# ticket, Ctl's second word, to `ticket` unless it is negative) and a spin that holds the stream
+# The arm kernel (every flag of rank 0's region but its own gather slot: its epoch ``ahead``
+# calls on, which satisfies the waits of that many calls; the ticket, Ctl's second word, to
+# `ticket` unless it is negative) and a spin that holds the stream
 # while the host queues the timed launches.
 ARM_SOURCE = r"""
 extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags, long long n,
-                                         long long skip_lo, long long skip_hi, long long ticket) {
-    const unsigned int epoch = *((volatile const unsigned int*)ctl) + 1u;   // Ctl.epoch: its first word
+                                         long long skip_lo, long long skip_hi, long long ticket,
+                                         long long ahead) {
+    const unsigned int epoch = *((volatile const unsigned int*)ctl) + (unsigned int)ahead;   // Ctl.epoch: its first word
     if (ticket >= 0 && blockIdx.x == 0 && threadIdx.x == 0) ctl[1] = (unsigned int)ticket;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
@@ -279,6 +284,7 @@ class Case:
     fits: bool = True
     later: dict = field(default_factory=dict)   # two-shot, --phases: "owner" / "decode": the times of
                                                 # launches that start there (the phases before skipped)
+    graph: list = field(default_factory=list)   # --graph: us per call replayed in a CUDA graph, one per rep
 
 
 class _Solo:
@@ -290,15 +296,16 @@ class _Solo:
         mod = cp.RawModule(code=ARM_SOURCE)
         self.arm_k, self.spin_k = mod.get_function("echo_solo_arm"), mod.get_function("echo_solo_spin")
 
-    def arm(self, region, ticket: int = -1) -> None:
-        """Enqueue the arm of ``region`` (`armed_range`) on the current stream; ``ticket`` >= 0:
-        the launch after it starts at that work item (the ones before it skipped)."""
+    def arm(self, region, ticket: int = -1, ahead: int = 1) -> None:
+        """Enqueue the arm of ``region`` (`armed_range`) on the current stream, for the next
+        ``ahead`` launches; ``ticket`` >= 0: the launch after it starts at that work item (the
+        ones before it skipped)."""
         got = region._arm          # (grid, args), kept on the region (freed with it)
         if got is None:
             n, lo, hi = armed_range(region.size, region.max_tiles)
             args = (region.bufs[0][:16].view(np.uint32), region.flags(), np.int64(n), np.int64(lo), np.int64(hi))
             got = region._arm = ((max(1, min(-(-n // 256), 1024)),), args)
-        self.arm_k(got[0], (256,), got[1] + (np.int64(ticket),))
+        self.arm_k(got[0], (256,), got[1] + (np.int64(ticket), np.int64(ahead)))
 
     def spin(self, ns: int) -> None:
         self.spin_k((1,), (1,), (np.int64(ns),))
@@ -322,6 +329,35 @@ class _Solo:
         ev[-1][1].synchronize()
         return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]))
 
+    def time_graph_us(self, run, region, iters: int, replays: int = 5) -> float:
+        """Us per call of ``run``: median over ``replays`` of a CUDA graph of ``iters`` calls, each
+        replay's time over ``iters`` (echonccl-perf's ``-G``), one arm before each replay for all
+        its calls; after 3 warm-up calls and an untimed first replay."""
+        import cupy as cp
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            self.arm(region, ahead=3)
+            for _ in range(3):
+                run(stream)
+            stream.begin_capture()
+            try:
+                for _ in range(iters):
+                    run(stream)
+            finally:
+                graph = stream.end_capture()
+            self.arm(region, ahead=iters)
+            graph.launch(stream)
+            ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(replays)]
+            self.spin(2_000_000 + 100_000 * replays)
+            for a, b in ev:
+                self.arm(region, ahead=iters)
+                a.record(stream)
+                graph.launch(stream)
+                b.record(stream)
+            ev[-1][1].synchronize()
+        return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 / iters for a, b in ev]))
+
 
 class PeerTimeout(RuntimeError):
     pass
@@ -329,11 +365,12 @@ class PeerTimeout(RuntimeError):
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
-             phases=False) -> dict:
+             phases=False, graph=False) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
     each two-shot kernel is also timed from its first owner item and from its first decode item
-    (`_Solo.arm`'s ticket; ``Case.later``)."""
+    (`_Solo.arm`'s ticket; ``Case.later``); ``graph``: each kernel also replayed in a CUDA graph
+    (`_Solo.time_graph_us`; ``Case.graph``)."""
     import cupy as cp
 
     from echonccl import dtypes, fused
@@ -399,6 +436,8 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 for kn, run in runs.items():
                     region = paths[FAMILY[kn]][0].peers.regions[-1]
                     cases[kn].times.append(solo.time_us(run, region, iters))
+                    if graph:
+                        cases[kn].graph.append(solo.time_graph_us(run, region, iters))
                     if phases and FAMILY[kn] == "two_shot":
                         T = peer_memory.fused_tiles(layout.slice_elems)
                         for name, first in (("owner", (P - 1) * T), ("decode", P * T)):
@@ -468,17 +507,19 @@ def phase_table(P, cases_by_size, kernels, copy_tbs, phase_floors) -> str:
     return "\n".join(lines)
 
 
-def table(P, cases_by_size, kernels, iters, copy_tbs, floors) -> str:
-    """Markdown: times (us, one per rep), then the floors and implied bandwidths."""
+def table(P, cases_by_size, kernels, iters, copy_tbs, floors, graph=False) -> str:
+    """Markdown: times (us, one per rep; ``graph``: the CUDA-graph ones), then the floors and
+    implied bandwidths."""
     from echonccl.perf.options import format_size
 
-    lines = [f"## P = {P}: rank 0 alone, us per all-reduce (median of {iters}; one per rep)", "",
+    how = f"a CUDA graph of {iters} calls, median of 5 replays" if graph else f"median of {iters}"
+    lines = [f"## P = {P}: rank 0 alone, us per all-reduce ({how}; one per rep)", "",
              "| size | " + " | ".join(kernels) + " |", "|---:|" + "---:|" * len(kernels)]
     for nbytes, cases in cases_by_size:
         cells = []
         for kn in kernels:
             c = cases[kn]
-            cell = " / ".join(f"{t:.1f}" for t in c.times) if c.fits else "-"
+            cell = " / ".join(f"{t:.1f}" for t in (c.graph if graph else c.times)) if c.fits else "-"
             if c.fits and c.check != "ok":
                 cell += " (!)"
             if kn.endswith("whole") and c.fits and not c.whole:
@@ -496,10 +537,11 @@ def table(P, cases_by_size, kernels, iters, copy_tbs, floors) -> str:
         cells = [f"{fl[f][1]:.2f} | {fl[f][0] / copy_tbs / 1e6:.1f}" for f in fams]
         for kn in kernels:
             c = cases[kn]
-            if not c.fits or not c.times:
+            t = c.graph if graph else c.times
+            if not c.fits or not t:
                 cells.append("-")
                 continue
-            tbs = fl[FAMILY[kn]][0] / min(c.times) / 1e6
+            tbs = fl[FAMILY[kn]][0] / min(t) / 1e6
             cells.append(f"{tbs:.2f} ({100 * tbs / copy_tbs:.0f}%)")
         lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -522,6 +564,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
     p.add_argument("--phases", action="store_true",
                    help="time the two-shot kernels from their owner and decode phases on too: a time by phase")
+    p.add_argument("-G", "--graph", action="store_true",
+                   help="time each kernel replayed in a CUDA graph of --iters calls too (echonccl-perf's -G)")
     a = p.parse_args(argv)
     a.rounding = a.rounding or ("on" if DEFAULT_ROUNDING else "off")
 
@@ -560,6 +604,8 @@ def main(argv=None) -> int:
     def report(P, res):
         rows = [(nbytes, res[(P, nbytes)]) for nbytes in sizes]
         print(table(P, rows, a.kernels, a.iters, copy_tbs, floors) + "\n", flush=True)
+        if a.graph:
+            print(table(P, rows, a.kernels, a.iters, copy_tbs, floors, graph=True) + "\n", flush=True)
         if a.phases:
             print(phase_table(P, rows, a.kernels, copy_tbs, phase_floors) + "\n", flush=True)
         mismatches.extend(f"P={P} {nbytes} bytes {c.kernel}: {c.check}"
@@ -567,7 +613,7 @@ def main(argv=None) -> int:
 
     try:
         run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
-                 a.timeout, max_bytes, report, a.phases)
+                 a.timeout, max_bytes, report, a.phases, a.graph)
     except PeerTimeout as exc:
         print(exc, file=sys.stderr)
         return 2
