@@ -51,10 +51,11 @@ def fused_tiles(slice_elems: int) -> int:
     """Tiles T of a slice in the fused two-shot: tile j is its chunks j, j + T, ...
     At most 512 tiles up to `SMALL_SLICE_CHUNKS` chunks, 1024 above (two H200s, fused two-shot:
     512 tiles made 8-32 MiB 8-17% faster, 1024 made 128-512 MiB 3-12% faster; BENCHMARKS.md);
-    `TILES` sets the most instead."""
+    `TILES` sets the most instead. A tile holds two chunks or more where the slice has them: one
+    step of the 16-element loops (cuda_src/fused.cuh), whose block halves take two chunks at once."""
     chunks = -(-(slice_elems // 8) // CHUNK)
     most = TILES or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
-    return max(1, min(chunks, most))
+    return max(1, min(-(-chunks // 2), most))
 
 
 def one_shot_tiles(elems: int) -> int:
