@@ -106,6 +106,18 @@ def test_registers_and_spills(prebuilt):
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("tool,name", [("fused_solo", "ARM_SOURCE"), ("ticket_bench", "SOURCE")])
+def test_the_tools_cuda_sources_compile(nvcc, tool, name):
+    """The kernels tools/ hand to NVRTC on the GPU machine compile here too (the same PTX for sm_90)."""
+    import importlib
+
+    mod = importlib.import_module(tool)      # tools/ is on the path (pyproject.toml)
+    out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", "-o", "t.ptx", "t.cu"], {"t.cu": getattr(mod, name).encode()},
+                            ["t.ptx"], nvcc)
+    assert ".entry" in out["t.ptx"].read_text()
+
+
+@pytest.mark.nvcc
 def test_every_kernel_of_the_table_compiles_from_the_inlined_source(ptx):
     exact, _ = ptx
     assert sorted(re.findall(r"\.entry\s+(\w+)", exact)) == sorted(k.name for k in kt.ALL)

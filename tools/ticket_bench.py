@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""What the fused kernels' work items cost apart from their bytes, on one GPU: an empty launch, a
+streaming copy, and the same copy cut into items taken from one atomic ticket (the fused kernels'
+`next_item`), each item ending in a flag published one of four ways.
+
+    python tools/ticket_bench.py [--mb 40 160] [--items 396 768 1536 3072] [--iters 50]
+
+Each kernel runs with the fused kernels' launch shape (256 threads, 3 blocks a SM, the whole GPU);
+``--mb`` is the bytes copied (read and written: a 16 MiB all-reduce moves about 80 MB through one
+rank's HBM, 40 MB copied). Flag modes: 0 none, 1 ``st.release.sys`` (the fused kernels'), 2
+``st.release.gpu``, 3 ``st.relaxed.sys`` (no ordering: a floor), 9 an ``ld.acquire.sys`` wait on a
+flag that is already set, then 1 (an owner's item). Times: per call, CUDA events around each launch
+(medians of ``--iters``, the launches queued behind a spin kernel, as `fused_solo`), and back to
+back (one event pair around ``--iters`` launches, over ``--iters``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(256, 3) ticket_empty(long long a) {}
+
+extern "C" __global__ void __launch_bounds__(256, 3) ticket_copy(const uint4* __restrict__ src,
+                                                                uint4* __restrict__ dst, long long n) {
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < n; i += (long long)gridDim.x * 256)
+        dst[i] = src[i];
+}
+
+// ctl: {epoch, ticket, done}; flags: [0, 32768) published, [32768, ...) waited on (all ones: set).
+extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* __restrict__ src,
+                                                                 uint4* __restrict__ dst, long long n,
+                                                                 long long nitems, unsigned* ctl,
+                                                                 unsigned* flags, long long mode) {
+    __shared__ long long s_item;
+    __shared__ unsigned s_epoch;
+    if (threadIdx.x == 0) s_epoch = *(volatile unsigned*)ctl + 1u;
+    __syncthreads();
+    const unsigned epoch = s_epoch;
+    const long long per = n / nitems;
+    for (;;) {
+        __syncthreads();
+        if (threadIdx.x == 0) s_item = atomicAdd(ctl + 1, 1u);
+        __syncthreads();
+        const long long it = s_item;
+        if (it >= nitems) break;
+        if (mode & 8) {
+            if (threadIdx.x == 0) {
+                unsigned v;
+                do {
+                    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + 32768 + it) : "memory");
+                } while ((int)(v - epoch) < 0 && v != 0xffffffffu);
+            }
+            __syncthreads();
+        }
+        for (long long i = it * per + threadIdx.x; i < (it + 1) * per; i += 256) dst[i] = src[i];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int m = (int)(mode & 7);
+            if (m == 1) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flags + it), "r"(epoch) : "memory");
+            else if (m == 2) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + it), "r"(epoch) : "memory");
+            else if (m == 3) asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(flags + it), "r"(epoch) : "memory");
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctl + 2, 1u) == gridDim.x - 1) {
+        ctl[1] = 0;
+        ctl[2] = 0;
+        ctl[0] = epoch;
+    }
+}
+
+extern "C" __global__ void ticket_spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}
+"""
+MODES = (0, 1, 2, 3, 9)
+MAX_ITEMS = 32768
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", nargs="+", type=int, default=[40, 160], help="MiB copied per call")
+    p.add_argument("--items", nargs="+", type=int, default=[396, 768, 1536, 3072])
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args(argv)
+    if any(not 1 <= n <= MAX_ITEMS for n in a.items):
+        p.error(f"--items: 1 to {MAX_ITEMS}")
+
+    import cupy as cp
+
+    mod = cp.RawModule(code=SOURCE)
+    empty, copy, items, spin = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items", "spin"))
+    grid = 3 * cp.cuda.Device().attributes["MultiProcessorCount"]
+    stream = cp.cuda.get_current_stream()
+
+    def per_call(f) -> float:
+        for _ in range(3):
+            f()
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(a.iters)]
+        spin((1,), (1,), (np.int64(2_000_000 + 100_000 * a.iters),))
+        for x, y in ev:
+            x.record(stream)
+            f()
+            y.record(stream)
+        ev[-1][1].synchronize()
+        return float(np.median([cp.cuda.get_elapsed_time(x, y) * 1e3 for x, y in ev]))
+
+    def back_to_back(f) -> float:
+        for _ in range(3):
+            f()
+        x, y = cp.cuda.Event(), cp.cuda.Event()
+        spin((1,), (1,), (np.int64(2_000_000 + 100_000 * a.iters),))
+        x.record(stream)
+        for _ in range(a.iters):
+            f()
+        y.record(stream)
+        y.synchronize()
+        return cp.cuda.get_elapsed_time(x, y) * 1e3 / a.iters
+
+    ctl = cp.zeros(4, dtype=cp.uint32)
+    flags = cp.full(2 * MAX_ITEMS, 0xFFFFFFFF, dtype=cp.uint32)
+    rows = [("empty launch", lambda: empty((grid,), (256,), (np.int64(0),)))]
+    for mb in a.mb:
+        n = (mb << 20) // 16
+        src, dst = cp.ones(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
+        rows.append((f"copy {mb} MiB", lambda s=src, d=dst, n=n: copy((grid,), (256,), (s, d, np.int64(n)))))
+        for ni in a.items:
+            for mode in MODES:
+                rows.append((f"{mb} MiB, {ni} items, flag mode {mode}",
+                             lambda s=src, d=dst, n=n, ni=ni, m=mode:
+                             items((grid,), (256,), (s, d, np.int64(n), np.int64(ni), ctl, flags, np.int64(m)))))
+    print(f"# ticketed items, grid {grid} x 256")
+    print("| case | per call, us | back to back, us |\n|---|---:|---:|")
+    for name, f in rows:
+        print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
