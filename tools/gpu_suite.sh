@@ -35,8 +35,8 @@ status=0
 
 if [[ $what == tests || $what == all ]]; then
   nvidia-smi topo -m
-  tests=(tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_nccl_binding.py tests/test_gpu_multirank.py
-         tests/test_gpu_hardening.py tests/test_examples.py)
+  tests=(tests/test_gpu_kernels.py tests/test_gpu_single.py tests/test_gpu_solo.py tests/test_nccl_binding.py
+         tests/test_gpu_nccl_symmetric.py tests/test_gpu_multirank.py tests/test_gpu_hardening.py tests/test_examples.py)
   if [[ ${ECHONCCL_DEV_INSTALLED:-} == 1 ]]; then
     # pytest from a scratch directory: only tools/ and tests/ of the checkout are on the path
     (cd "$out" && "$PY" -m pytest -q -ra -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
