@@ -81,8 +81,8 @@ _SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
 
 # The arm kernel (every flag of rank 0's region but its own gather slot: its epoch ``ahead``
 # calls on, which satisfies the waits of that many calls; the ticket, Ctl's second word, to
-# `ticket` unless it is negative) and a spin that holds the stream
-# while the host queues the timed launches.
+# `ticket` unless it is negative); SPIN_SOURCE, a spin that holds the stream while the host
+# queues the timed launches (tools/ticket_bench.py's too).
 ARM_SOURCE = r"""
 extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags, long long n,
                                          long long skip_lo, long long skip_hi, long long ticket,
@@ -93,7 +93,8 @@ extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags,
          i += (long long)gridDim.x * blockDim.x)
         if (i < skip_lo || i >= skip_hi) flags[i] = epoch;
 }
-
+"""
+SPIN_SOURCE = r"""
 extern "C" __global__ void echo_solo_spin(long long ns) {
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -293,7 +294,7 @@ class _Solo:
     def __init__(self):
         import cupy as cp
 
-        mod = cp.RawModule(code=ARM_SOURCE)
+        mod = cp.RawModule(code=ARM_SOURCE + SPIN_SOURCE)
         self.arm_k, self.spin_k = mod.get_function("echo_solo_arm"), mod.get_function("echo_solo_spin")
 
     def arm(self, region, ticket: int = -1, ahead: int = 1) -> None:

@@ -20,7 +20,9 @@ import sys
 
 import numpy as np
 
-SOURCE = r"""
+from fused_solo import SPIN_SOURCE      # echo_solo_spin: holds the stream while the host queues
+
+KERNELS = r"""
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_empty(long long a) {}
 
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_copy(const uint4* __restrict__ src,
@@ -72,14 +74,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* _
     }
 }
 
-extern "C" __global__ void ticket_spin(long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while ((long long)(t - t0) < ns);
-}
 """
+SOURCE = KERNELS + SPIN_SOURCE
 MODES = (0, 1, 2, 3, 9)
 MAX_ITEMS = 32768
 
@@ -96,7 +92,8 @@ def main(argv=None) -> int:
     import cupy as cp
 
     mod = cp.RawModule(code=SOURCE)
-    empty, copy, items, spin = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items", "spin"))
+    empty, copy, items = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items"))
+    spin = mod.get_function("echo_solo_spin")
     grid = 3 * cp.cuda.Device().attributes["MultiProcessorCount"]
     stream = cp.cuda.get_current_stream()
 
