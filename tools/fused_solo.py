@@ -42,8 +42,8 @@ warm-ups, each kernel ``--reps`` times in alternation; the launches are queued b
 so that host gaps do not count. ``-G`` (``--graph``): each kernel also captured ``--iters`` calls
 to a CUDA graph, the graph replayed 5 times after one `arm` each (its flags ``--iters`` epochs on,
 which the waits of all those calls accept), us per call the median replay's time over ``--iters``:
-echonccl-perf's ``-G``, without the launch gaps of eager calls. The grid is the whole GPU's (`kernel_table.FUSED_BLOCKS_PER_SM` a
-SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
+echonccl-perf's ``-G``, without the launch gaps of eager calls. The grid is the whole GPU's
+(`kernel_table.FUSED_BLOCKS_PER_SM` a SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
 prints ``-``: the communicator would take the NCCL path for it.
 
 Phases (``--phases``): each two-shot kernel is timed three ways, the `arm` before each launch
@@ -81,8 +81,8 @@ _SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
 
 # The arm kernel (every flag of rank 0's region but its own gather slot: its epoch ``ahead``
 # calls on, which satisfies the waits of that many calls; the ticket, Ctl's second word, to
-# `ticket` unless it is negative); SPIN_SOURCE, a spin that holds the stream while the host
-# queues the timed launches (tools/ticket_bench.py's too).
+# `ticket` unless it is negative) and a spin that holds the stream while the host queues the
+# timed launches.
 ARM_SOURCE = r"""
 extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags, long long n,
                                          long long skip_lo, long long skip_hi, long long ticket,
@@ -93,8 +93,7 @@ extern "C" __global__ void echo_solo_arm(unsigned int* ctl, unsigned int* flags,
          i += (long long)gridDim.x * blockDim.x)
         if (i < skip_lo || i >= skip_hi) flags[i] = epoch;
 }
-"""
-SPIN_SOURCE = r"""
+
 extern "C" __global__ void echo_solo_spin(long long ns) {
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -294,7 +293,7 @@ class _Solo:
     def __init__(self):
         import cupy as cp
 
-        mod = cp.RawModule(code=ARM_SOURCE + SPIN_SOURCE)
+        mod = cp.RawModule(code=ARM_SOURCE)
         self.arm_k, self.spin_k = mod.get_function("echo_solo_arm"), mod.get_function("echo_solo_spin")
 
     def arm(self, region, ticket: int = -1, ahead: int = 1) -> None:
@@ -312,23 +311,8 @@ class _Solo:
         self.spin_k((1,), (1,), (np.int64(ns),))
 
     def time_us(self, run, region, iters: int, ticket: int = -1) -> float:
-        """Median of per-launch CUDA-event times (us) of ``run``, armed (``ticket``: `arm`'s) before
-        each, after 3 warm-ups."""
-        import cupy as cp
-
-        stream = cp.cuda.get_current_stream()
-        for _ in range(3):
-            self.arm(region, ticket)
-            run(stream)
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
-        self.spin(2_000_000 + 100_000 * iters)      # the host queues every launch meanwhile
-        for a, b in ev:
-            self.arm(region, ticket)
-            a.record(stream)
-            run(stream)
-            b.record(stream)
-        ev[-1][1].synchronize()
-        return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]))
+        """`per_launch_us` of ``run``, armed (``ticket``: `arm`'s) before each launch."""
+        return per_launch_us(run, iters, self.spin, lambda: self.arm(region, ticket))
 
     def time_graph_us(self, run, region, iters: int, replays: int = 5) -> float:
         """Us per call of ``run``: median over ``replays`` of a CUDA graph of ``iters`` calls, each
@@ -358,6 +342,27 @@ class _Solo:
                 b.record(stream)
             ev[-1][1].synchronize()
         return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 / iters for a, b in ev]))
+
+
+def per_launch_us(run, iters: int, spin, before=lambda: None) -> float:
+    """Median of per-launch CUDA-event times (us) of ``run(stream)`` on the current stream, after 3
+    warm-ups, ``before()`` enqueued ahead of each launch outside its events; ``spin(ns)`` holds the
+    stream while the host queues every launch (host gaps do not count)."""
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
+    for _ in range(3):
+        before()
+        run(stream)
+    ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+    spin(2_000_000 + 100_000 * iters)
+    for a, b in ev:
+        before()
+        a.record(stream)
+        run(stream)
+        b.record(stream)
+    ev[-1][1].synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]))
 
 
 class PeerTimeout(RuntimeError):

@@ -20,9 +20,9 @@ import sys
 
 import numpy as np
 
-from fused_solo import SPIN_SOURCE      # echo_solo_spin: holds the stream while the host queues
+from fused_solo import _Solo, per_launch_us
 
-KERNELS = r"""
+SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_empty(long long a) {}
 
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_copy(const uint4* __restrict__ src,
@@ -75,7 +75,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* _
 }
 
 """
-SOURCE = KERNELS + SPIN_SOURCE
 MODES = (0, 1, 2, 3, 9)
 MAX_ITEMS = 32768
 
@@ -93,27 +92,18 @@ def main(argv=None) -> int:
 
     mod = cp.RawModule(code=SOURCE)
     empty, copy, items = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items"))
-    spin = mod.get_function("echo_solo_spin")
+    spin = _Solo().spin            # holds the stream while the host queues the launches
     grid = 3 * cp.cuda.Device().attributes["MultiProcessorCount"]
     stream = cp.cuda.get_current_stream()
 
     def per_call(f) -> float:
-        for _ in range(3):
-            f()
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(a.iters)]
-        spin((1,), (1,), (np.int64(2_000_000 + 100_000 * a.iters),))
-        for x, y in ev:
-            x.record(stream)
-            f()
-            y.record(stream)
-        ev[-1][1].synchronize()
-        return float(np.median([cp.cuda.get_elapsed_time(x, y) * 1e3 for x, y in ev]))
+        return per_launch_us(lambda _stream: f(), a.iters, spin)
 
     def back_to_back(f) -> float:
         for _ in range(3):
             f()
         x, y = cp.cuda.Event(), cp.cuda.Event()
-        spin((1,), (1,), (np.int64(2_000_000 + 100_000 * a.iters),))
+        spin(2_000_000 + 100_000 * a.iters)
         x.record(stream)
         for _ in range(a.iters):
             f()
