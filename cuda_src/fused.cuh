@@ -91,11 +91,14 @@ __device__ __forceinline__ u64 global_ns() {
     return t;
 }
 
-// Flags are published by thread 0 after a __syncthreads: the flag's st.release.sys is cumulative
-// over what the barrier made thread 0 observe, so no full fence is needed.
+// Flags are published after a __syncthreads, by thread 0, or where an item publishes several, one
+// a lane of warp 0 (a thread's system-scope releases complete one after another): a st.release.sys
+// is cumulative over what the barrier made its thread observe, so no full fence is needed.
+// one_shot_q's waits are one flag a lane too; the two-shot owner's stay with thread 0 (lane-parallel
+// there, the kernel's loop control spilled 4x more and P = 2 ran 1-2% slower; docs/notes/fused.md).
 
-// Thread 0 spins until *flag has reached `epoch` (or the deadline passed: ctl->error).
-// Returns false on timeout. Call from thread 0 only.
+// The calling thread spins until *flag has reached `epoch` (or the deadline passed: ctl->error).
+// Returns false on timeout.
 __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int epoch, Ctl* ctl,
                                           u64 deadline) {
     unsigned int spins = 0;
@@ -399,10 +402,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers + 1, P - 2,
                 rank * sum_bytes, out + blo, bhi - blo);
             __syncthreads();
-            if (threadIdx.x == 0) {
-                for (int s = 0; s < P; ++s)
-                    if (s != rank) st_release_sys(table->flags[s] + (P - 1 + rank) * max_tiles + j, epoch);
-            }
+            if (threadIdx.x < P && threadIdx.x != rank)
+                st_release_sys(table->flags[threadIdx.x] + (P - 1 + rank) * max_tiles + j, epoch);
         } else {
             // 3. decode tile j of owner s's slice, s != rank
             const i64 i3 = item - n1 - T_;
@@ -458,17 +459,12 @@ __device__ __forceinline__ void fused_one_shot_q_body(const T* x, i64 x_n, T* ou
             phase_push<T, ResT, G, kCodec, kWhole>(x + lo, hi - lo, res_in ? res_at(res_in, v * S) : nullptr,
                                                   table->push[rank] + off, S, j, T_, table->push_peers, P - 1, off);
             __syncthreads();
-            if (threadIdx.x == 0)
-                for (int s = 0; s < P; ++s) st_release_sys(table->flags[s] + (P - 1 + rank) * max_tiles + tile, epoch);
+            if (threadIdx.x < P) st_release_sys(table->flags[threadIdx.x] + (P - 1 + rank) * max_tiles + tile, epoch);
         } else {
             // 2. tile j of out's slice v: the P parts' codes summed
             if (v * S >= count) continue;
-            if (threadIdx.x == 0) {
-                bool ok = true;
-                for (int s = 0; s < P && ok; ++s)
-                    ok = wait_flag(my_flags + (P - 1 + s) * max_tiles + tile, epoch, ctl, s_deadline);
-                if (!ok) s_ok = 0;
-            }
+            if (threadIdx.x < P && !wait_flag(my_flags + (P - 1 + threadIdx.x) * max_tiles + tile, epoch, ctl, s_deadline))
+                s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
             phase_decode_sum<T, G, kCodec, kWhole>(Terms{my_push, part, P}, out, count, S, v, j, T_, accumulate);
