@@ -94,12 +94,17 @@ class FusedPaths:
         # other's flags need; tools/fused_bench.py divides it among ranks sharing one GPU
         self.max_blocks = FUSED_BLOCKS_PER_SM * cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
         self.whole = True                 # False: the general kernels everywhere (tools/fused_bench.py)
+        self.tiles = 0                    # most tiles a slice (0: by size, `fused_tiles`; the tools' --tiles)
         self._stream = cupy.cuda.get_current_stream
+
+    def tiles_of(self, layout) -> int:
+        """Tiles T of a slice of ``layout`` in the two-shot and one_shot_q kernels."""
+        return fused_tiles(layout.slice_elems, self.tiles)
 
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:
         """True when ``layout`` fits a region (growing it collectively if needed)."""
-        return self._region(_two_shot_slot(layout), fused_tiles(layout.slice_elems)) is not None
+        return self._region(_two_shot_slot(layout), self.tiles_of(layout)) is not None
 
     def two_shot(self, layout, x, out, state, rounds: int = 1) -> None:
         """The fused two_shot of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
@@ -109,7 +114,7 @@ class FusedPaths:
         """``(run, valid)``: ``run(stream)`` enqueues the fused two_shot of these buffers on a cupy
         stream, ``rounds`` launches (the communicator keeps it for later calls of these buffers);
         ``valid()`` stays true while the region it uses serves new calls."""
-        T = fused_tiles(layout.slice_elems)
+        T = self.tiles_of(layout)
         region = self._region(_two_shot_slot(layout), T)
         return self._two_shot_run(layout, T, region, x, out, state, rounds), self._current(region)
 
@@ -131,7 +136,7 @@ class FusedPaths:
     # -- quantized one-shot -----------------------------------------------------------------
     def one_shot_q_fits(self, layout) -> bool:
         """True when ``layout`` fits a region (growing it collectively if needed)."""
-        return self._region(*_one_shot_q_needs(layout)) is not None
+        return self._region(*_one_shot_q_needs(layout, self.tiles_of(layout))) is not None
 
     def one_shot_q(self, layout, x, out, state, rounds: int = 1) -> None:
         """The fused one_shot_q of ``x`` into ``out`` (flat engine arrays), ``rounds`` launches."""
@@ -139,12 +144,12 @@ class FusedPaths:
 
     def prepare_one_shot_q(self, layout, x, out, state, rounds: int = 1):
         """``(run, valid)`` of the fused one_shot_q of these buffers (as `prepare_two_shot`)."""
-        region = self._region(*_one_shot_q_needs(layout))
+        region = self._region(*_one_shot_q_needs(layout, self.tiles_of(layout)))
         return self._one_shot_q_run(layout, region, x, out, state, rounds), self._current(region)
 
     def _one_shot_q_run(self, layout, region, x, out, state, rounds: int):
         S, P = layout.slice_elems, self.size
-        T = fused_tiles(S)
+        T = self.tiles_of(layout)
         t, r, res_in, _ = _types(x, state)
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, S, self.rank, P, T, region.max_tiles, 0,
@@ -227,8 +232,8 @@ def _two_shot_slot(layout) -> int:
     return max(layout.slice_bytes, layout.sums.slice_bytes)
 
 
-def _one_shot_q_needs(layout):
-    """(slice bytes, tiles, push bytes) of a region serving the fused one_shot_q of ``layout``:
-    P tiles per flag slot per slice, P parts of P slices a push parity."""
+def _one_shot_q_needs(layout, tiles: int):
+    """(slice bytes, tiles, push bytes) of a region serving the fused one_shot_q of ``layout`` with
+    ``tiles`` tiles a slice: P tiles per flag slot per slice, P parts of P slices a push parity."""
     P, B = layout.nranks, layout.slice_bytes
-    return 0, P * fused_tiles(layout.slice_elems), P * P * B
+    return 0, P * tiles, P * P * B

@@ -38,7 +38,6 @@ LL_MAX_BYTES = 1 << 20            # inputs up to this size take the low-latency 
 LL_WORDS = LL_MAX_BYTES // 4
 LL_BLOCKS = 1024
 CHUNK = 256                       # threads (8 elements each) per chunk, as the kernels' blocks
-TILES = 0                         # most tiles per slice (0: by size; tools/fused_bench.py --tiles)
 SMALL_SLICE_CHUNKS = 4096         # up to this many chunks a slice (8 M elements), 512 tiles
 ONE_SHOT_TILE = 1024              # threads per tile of the (not low-latency) one-shot
 
@@ -47,14 +46,14 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def fused_tiles(slice_elems: int) -> int:
+def fused_tiles(slice_elems: int, most: int = 0) -> int:
     """Tiles T of a slice in the fused two-shot: tile j is its chunks j, j + T, ...
     At most 512 tiles up to `SMALL_SLICE_CHUNKS` chunks, 1024 above (two H200s, fused two-shot:
     512 tiles made 8-32 MiB 8-17% faster, 1024 made 128-512 MiB 3-12% faster; BENCHMARKS.md);
-    `TILES` sets the most instead. A tile holds two chunks or more where the slice has them: one
+    ``most`` > 0 sets the most instead (`FusedPaths.tiles`: the tools' ``--tiles``). A tile holds two chunks or more where the slice has them: one
     step of the 16-element loops (cuda_src/fused.cuh), whose block halves take two chunks at once."""
     chunks = -(-(slice_elems // 8) // CHUNK)
-    most = TILES or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
+    most = most or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
     return max(1, min(-(-chunks // 2), most))
 
 

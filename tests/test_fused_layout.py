@@ -13,15 +13,13 @@ from echonccl.peer_memory import (ALIGN, CHUNK, LL_WORDS, PeerMemory, fused_tile
 @pytest.mark.parametrize("elems,want", [(512, 1), (2048, 1), (4096, 1), (6144, 2), (512 * 1000, 125), (1 << 20, 256),
                                         (2 << 20, 512), (4 << 20, 512), (8 << 20, 512), ((8 << 20) + 2048, 1024),
                                         (1 << 28, 1024)])
-def test_fused_tiles_cover_the_chunks(elems, want, monkeypatch):
+def test_fused_tiles_cover_the_chunks(elems, want):
     """512 tiles at most up to 8 M elements a slice, 1024 above; two chunks a tile or more (one step
     of the 16-element loops) where the slice has two."""
-    monkeypatch.setattr(peer_memory, "TILES", 0)
     chunks = -(-(elems // 8) // CHUNK)
     assert fused_tiles(elems) == want and 1 <= want <= chunks
     assert 2 * want <= chunks + 1                   # tiles of two chunks, the last perhaps one
-    monkeypatch.setattr(peer_memory, "TILES", 64)
-    assert fused_tiles(elems) == min(-(-chunks // 2), 64)
+    assert fused_tiles(elems, 64) == min(-(-chunks // 2), 64)
 
 
 def test_one_shot_tiles():

@@ -94,7 +94,7 @@ def _region(P, layout, family, make=functools.partial(fused_solo.SoloRegion, xp=
     """The SoloRegion `FusedPaths` would get for ``layout`` (its `PeerMemory` growth rule)."""
     pm = PeerMemory(fused_solo.SoloComm(P), None, fused.DEFAULT_MAX_BYTES, make_region=make)
     sb, nt, pb = ((fused._two_shot_slot(layout), fused_tiles(layout.slice_elems), 0) if family == "two_shot"
-                  else fused._one_shot_q_needs(layout))
+                  else fused._one_shot_q_needs(layout, fused_tiles(layout.slice_elems)))
     return pm.region_for(sb, nt, push_bytes=pb)
 
 

@@ -20,7 +20,7 @@ rank's kernel alone on the GPU (rank 0 of P = 2, 4, 8, its peers' data and flags
 running at once make progress.
 ``--grid`` sets the blocks per launch (default: `kernel_table.FUSED_BLOCKS_PER_SM` per SM, divided
 by the ranks sharing the GPU so that every grid stays resident; with ``--percent`` give it);
-``--tiles`` sets `peer_memory.TILES`. bf16 input, feedback on; medians over
+``--tiles`` sets `FusedPaths.tiles`. bf16 input, feedback on; medians over
 ``--iters`` calls (`kernel_bench.time_us`), each kernel timed ``--reps`` times in alternation.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import cupy as cp
 
 import echonccl
-from echonccl import codec, dtypes, fused, peer_memory
+from echonccl import codec, dtypes, fused
 from echonccl.feedback import DEFAULT_ROUNDING
 from echonccl.layout import Layout
 from echonccl.perf.options import format_size, parse_size
@@ -67,9 +67,8 @@ def main(argv=None) -> None:
     dev = rank % cp.cuda.runtime.getDeviceCount()
     cp.cuda.Device(dev).use()
     sharing = comm.allgather(dev).count(dev)
-    if a.tiles:
-        peer_memory.TILES = a.tiles
     paths = fused.FusedPaths(comm, comm.allgather, rank, P, 30.0, lambda: False)
+    paths.tiles = a.tiles
     paths.max_blocks = a.grid or paths.max_blocks // sharing   # every rank's grid resident at once
     bf16 = dtypes.numpy_dtype("bfloat16")
     group = codec.group_size(a.codec)

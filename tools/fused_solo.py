@@ -371,12 +371,12 @@ class PeerTimeout(RuntimeError):
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
-             phases=False, graph=False) -> dict:
+             phases=False, graph=False, tiles=0) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
     each two-shot kernel is also timed from its first owner item and from its first decode item
     (`_Solo.arm`'s ticket; ``Case.later``); ``graph``: each kernel also replayed in a CUDA graph
-    (`_Solo.time_graph_us`; ``Case.graph``)."""
+    (`_Solo.time_graph_us`; ``Case.graph``); ``tiles``: `FusedPaths.tiles`."""
     import cupy as cp
 
     from echonccl import dtypes, fused
@@ -415,6 +415,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                     p.peers.make_region = SoloRegion
                     if grid:
                         p.max_blocks = grid
+                    p.tiles = tiles
                     fits = p.two_shot_fits(layout) if family == "two_shot" else p.one_shot_q_fits(layout)
                     if fits:
                         assert family in fill(p.peers.regions[-1], layout, data), (family, P, nbytes)
@@ -440,12 +441,13 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 cases[kn].check = _compare(out, want[family])
             for _ in range(reps):
                 for kn, run in runs.items():
-                    region = paths[FAMILY[kn]][0].peers.regions[-1]
+                    p = paths[FAMILY[kn]][0]
+                    region = p.peers.regions[-1]
                     cases[kn].times.append(solo.time_us(run, region, iters))
                     if graph:
                         cases[kn].graph.append(solo.time_graph_us(run, region, iters))
                     if phases and FAMILY[kn] == "two_shot":
-                        T = peer_memory.fused_tiles(layout.slice_elems)
+                        T = p.tiles_of(layout)
                         for name, first in (("owner", (P - 1) * T), ("decode", P * T)):
                             cases[kn].later.setdefault(name, []).append(solo.time_us(run, region, iters, first))
                     cp.cuda.runtime.deviceSynchronize()
@@ -583,8 +585,6 @@ def main(argv=None) -> int:
     from echonccl.perf.options import parse_size
     from kernel_bench import copy_bandwidth
 
-    if a.tiles:
-        peer_memory.TILES = a.tiles
     if any(not 2 <= P <= peer_memory.MAX_RANKS for P in a.ranks):
         p.error(f"--ranks: 2 to {peer_memory.MAX_RANKS}")
     sizes = [parse_size(s) for s in a.sizes]
@@ -619,7 +619,7 @@ def main(argv=None) -> int:
 
     try:
         run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
-                 a.timeout, max_bytes, report, a.phases, a.graph)
+                 a.timeout, max_bytes, report, a.phases, a.graph, a.tiles)
     except PeerTimeout as exc:
         print(exc, file=sys.stderr)
         return 2
