@@ -148,10 +148,15 @@ __device__ __forceinline__ void end_call(Ctl* ctl, unsigned int epoch) {
     }
 }
 
-// One block takes the next work item (all threads get it).
+// One block takes the next work item (all threads get it). Warp 1 asks for the ticket before the
+// barrier and stores it after: the atomic's round trip runs beside the block's arrival and the
+// system-scope fences of the flags warp 0 releases for the item before.
 __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
+    static_assert(ECHO_BLOCK > 32, "next_item takes the ticket on warp 1");
+    unsigned int ticket = 0;
+    if (threadIdx.x == 32) ticket = atomicAdd(&ctl->ticket, 1u);
     __syncthreads();
-    if (threadIdx.x == 0) *s_item = (long long)atomicAdd(&ctl->ticket, 1u);
+    if (threadIdx.x == 32) *s_item = (long long)ticket;
     __syncthreads();
     return *s_item;
 }
