@@ -436,6 +436,26 @@ def test_phases_time_the_launches_from_each_phase_on(emulated_gpu, capsys):
     assert "two-shot phases" in out and "| 16 KiB | whole | 0.0 | 0.0 | 12.5 (0%) | 12.5 |" in out
 
 
+def test_observe_launches_from_each_phase_on(emulated_gpu):
+    """observe (tools/stall_profile.py --fused): after each kernel's timed calls, one armed launch a
+    phase start: the whole call (-1: the ticket left at 0), from the owner's items, from the decode's;
+    every wait satisfied (a launch that gave up would raise PeerTimeout)."""
+    P, nbytes = 3, 2 * 3 * 4096
+    seen = []
+
+    def observe(P_, nb, kn, launch, starts):
+        seen.append((P_, nb, kn, dict(starts)))
+        for first in starts.values():
+            launch(first)
+
+    fused_solo.run_solo([P], [nbytes], kernels=["whole", "q"], iters=2, reps=1, observe=observe)
+    T = fused_tiles(4096)
+    assert seen == [(P, nbytes, "whole", {"all": -1, "owner": (P - 1) * T, "decode": P * T}),
+                    (P, nbytes, "q", {"all": -1})]
+    # both checks, whole's 5 and q's 5 timed (3 warm-ups, 2 timed); then whole's 3 and q's 1 observed
+    assert _EmuLaunch.firsts[12:] == [0, (P - 1) * T, P * T, 0]
+
+
 def test_graph_replays_calls_armed_ahead(emulated_gpu, capsys):
     """-G: each kernel's calls captured once and replayed, one arm ahead of each replay satisfying
     the waits of all its calls (no timeout, epochs 1, 2, 3, ... of each region); us per call."""

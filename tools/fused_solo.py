@@ -371,12 +371,15 @@ class PeerTimeout(RuntimeError):
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
-             phases=False, graph=False, tiles=0) -> dict:
+             phases=False, graph=False, tiles=0, observe=None) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
     each two-shot kernel is also timed from its first owner item and from its first decode item
     (`_Solo.arm`'s ticket; ``Case.later``); ``graph``: each kernel also replayed in a CUDA graph
-    (`_Solo.time_graph_us`; ``Case.graph``); ``tiles``: `FusedPaths.tiles`."""
+    (`_Solo.time_graph_us`; ``Case.graph``); ``tiles``: `FusedPaths.tiles`. ``observe(P, nbytes, kernel,
+    launch, starts)``, after each kernel's timed reps: ``launch(first)`` enqueues one armed call on the
+    current stream, from work item ``first`` on (-1: the whole call), ``starts`` names the firsts
+    (``"all"``: -1; two-shot kernels also ``"owner"`` and ``"decode"``, as ``phases`` times them)."""
     import cupy as cp
 
     from echonccl import dtypes, fused
@@ -454,6 +457,21 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                     _check_timeout(region, P, nbytes, kn)
                     if not _finite_bf16(out):
                         cases[kn].check += " (non-finite output after the timed calls)"
+            for kn, run in runs.items() if observe is not None else ():
+                p = paths[FAMILY[kn]][0]
+                region = p.peers.regions[-1]
+                starts = {"all": -1}
+                if FAMILY[kn] == "two_shot":
+                    T = p.tiles_of(layout)
+                    starts.update(owner=(P - 1) * T, decode=P * T)
+
+                def launch(first=-1, run=run, region=region):
+                    solo.arm(region, first)
+                    run(cp.cuda.get_current_stream())
+
+                observe(P, nbytes, kn, launch, starts)
+                cp.cuda.runtime.deviceSynchronize()
+                _check_timeout(region, P, nbytes, kn)
             for p, _ in paths.values():
                 p.close()
             results[(P, nbytes)] = cases
