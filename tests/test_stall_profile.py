@@ -71,11 +71,12 @@ def test_annotate_prints_the_shares_by_function(tmp_path, capsys):
 
 
 def test_report_leaves_the_not_issued_counters_out(capsys):
-    reasons = ["selected", "long_scoreboard", "long_scoreboard_not_issued"]
-    counts = np.array([[3, 1, 1], [0, 4, 4]], np.uint32)
+    reasons = ["selected", "long_scoreboard", "long_scoreboard_not_issued", "wait", "barrier"]
+    counts = np.array([[3, 1, 1, 0, 0], [0, 4, 4, 0, 0]], np.uint32)   # (unsigned: their top, not the zeros)
     got = sp.report("c", reasons, ["k", "k"], np.array([0x10, 0x20], np.uint64), counts, np.zeros(4), top=2)
     out = capsys.readouterr().out
     assert "## c: 8 samples in 2 PCs" in out
     assert "| long_scoreboard | 62.5 |" in out and "not_issued |" not in out
     assert "k 0x0020: 50.0%  (long_scoreboard 50.0)" in out
+    assert "k 0x0010: 50.0%  (selected 37.5, long_scoreboard 12.5)" in out
     assert got["counts"] == counts.tolist() and got["offsets"] == [16, 32]

@@ -190,7 +190,7 @@ def report(name: str, reasons, funcs, off, counts, totals, top: int) -> dict:
     by_pc = counts[:, keep].sum(axis=1)
     print("hottest PCs (offset: % of samples, top reasons):")
     for r in np.argsort(-by_pc)[:top]:
-        best = np.argsort(-np.where(keep, counts[r], 0))[:3]
+        best = np.argsort(-np.where(keep, counts[r].astype(np.int64), 0), kind="stable")[:3]
         desc = ", ".join(f"{reasons[i]} {100 * counts[r, i] / total:.1f}" for i in best if counts[r, i] and keep[i])
         print(f"  {funcs[r][-40:]} 0x{int(off[r]):04x}: {100 * by_pc[r] / total:.1f}%  ({desc})")
     return {"name": name, "funcs": funcs, "offsets": [int(o) for o in off], "counts": counts.tolist(),
