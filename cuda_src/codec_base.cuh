@@ -510,8 +510,7 @@ __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[
 // registers; docs/notes/fused.md, "The levers"; 3 or 4 steps ahead were no faster). A thread reads only the
 // slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
 // (a later phase of the block reuses the ring). The 16-element loops (reduce_quantize_loop16) keep
-// a warp's 32 units of own input and residual (2 KiB; the owner also an incoming slice's codes and
-// scales, 512 bytes at most) in its part of a slot, the lanes reading each
+// a warp's 32 units of own input and residual (2 KiB) in its part of a slot, the lanes reading each
 // other's copies after a __syncwarp (below); the 8-element loops 32 bytes a thread.
 constexpr int kRingDepth = 2;
 constexpr int kRingParts = 4;
@@ -524,9 +523,6 @@ __shared__ uint4 g_ring[kRingDepth][kRingParts][ECHO_BLOCK];
 // contiguous bytes. Every lane of the warp calls these together.
 constexpr int kWarpRing = kRingParts * 32;   // chunks of a warp in a slot: own input 0-63, residual 64-127
 __device__ __forceinline__ uint4* warp_ring(int slot) { return &g_ring[slot][0][0] + (threadIdx.x >> 5) * kWarpRing; }
-// The owner's ring of an incoming slice's wire bytes (WarpWire16): a warp's 512 bytes a slot.
-__shared__ uint4 g_wire_ring[kRingDepth][ECHO_BLOCK];
-__device__ __forceinline__ uint4* warp_wire_ring(int slot) { return &g_wire_ring[slot][0] + (threadIdx.x & ~31); }
 // The warp's 1 KiB at p copied into r in flight (cp.async; the caller commits).
 __device__ __forceinline__ void unit16_copy_async(uint4* r, const void* p) {
     const int lane = threadIdx.x & 31;

@@ -192,50 +192,6 @@ __device__ __forceinline__ void st_codes16(unsigned char* sl, i64 codes_bytes, i
     }
     if (G == 16 || (u & 1) == 0) st_scale<W>(sl + codes_bytes, G == 16 ? u : u >> 1, scale);
 }
-// The wire bytes of a warp's 32 units u0 .. u0 + 31 (u0 a multiple of 32) in WarpWire16::kPieces pieces of
-// 16 bytes (the codes planes, then the scales), copied into the warp's 512 bytes at r by cp.async, one
-// piece a lane, and read back by each lane as ld_codes16 and ld_scale_bits would load them. Every lane of
-// the warp calls both; between them the copies waited for and a __syncwarp.
-template <int G, int kCodec>
-struct WarpWire16 {
-    using W = Wire<G, kCodec>;
-    static constexpr int kLo = 16, kMid = W::k7 ? 8 : 0, kTop = W::k7 ? 4 : 0;   // pieces a plane
-    static constexpr int kScaleBytes = W::k7 ? 2 : (W::kBf16Scale ? 2 : 4);     // a group's
-    static constexpr int kScales = 32 * kScaleBytes / G;                        // 32 units: 512 / G groups
-    static constexpr int kPieces = kLo + kMid + kTop + kScales;
-    static_assert(G <= 32 && kPieces <= 32, "a warp's wire in at most 32 pieces");
-};
-template <int G, int kCodec>
-__device__ __forceinline__ void warp_wire16_copy_async(uint4* r, const unsigned char* sl, i64 u0, i64 S) {
-    using WW = WarpWire16<G, kCodec>;
-    const int lane = threadIdx.x & 31;
-    const unsigned char* p;
-    if (lane < WW::kLo) p = sl + 8 * u0 + 16 * lane;
-    else if (lane < WW::kLo + WW::kMid) p = sl + (S >> 1) + 4 * u0 + 16 * (lane - WW::kLo);
-    else if (lane < WW::kLo + WW::kMid + WW::kTop) p = sl + (S >> 1) + (S >> 2) + 2 * u0 + 16 * (lane - WW::kLo - WW::kMid);
-    else p = sl + Wire<G, kCodec>::codes_bytes(S) + u0 * 16 / G * WW::kScaleBytes + 16 * (lane - WW::kLo - WW::kMid - WW::kTop);
-    if (lane < WW::kPieces) cp_async16(r + lane, p);
-}
-template <int G, int kCodec>
-__device__ __forceinline__ void warp_wire16_read(const uint4* r, Codes8& c0, Codes8& c1, u32& sbits) {
-    using WW = WarpWire16<G, kCodec>;
-    const int lane = threadIdx.x & 31;
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(r);
-    const uint2 lo = reinterpret_cast<const uint2*>(b)[lane];
-    c0 = Codes8{lo.x, 0u};
-    c1 = Codes8{lo.y, 0u};
-    if constexpr (Wire<G, kCodec>::k7) {
-        const u32 mid = reinterpret_cast<const u32*>(b + 16 * WW::kLo)[lane];
-        const u32 top = reinterpret_cast<const u16*>(b + 16 * (WW::kLo + WW::kMid))[lane];
-        c0.hi = (mid & 0xffffu) | ((top & 0xffu) << 16);
-        c1.hi = (mid >> 16) | ((top >> 8) << 16);
-        sbits = reinterpret_cast<const u32*>(b + 16 * (WW::kLo + WW::kMid + WW::kTop))[lane >> 1];
-    } else if constexpr (Wire<G, kCodec>::kBf16Scale) {
-        sbits = reinterpret_cast<const u16*>(b + 16 * WW::kLo)[lane * 16 / G];
-    } else {
-        sbits = reinterpret_cast<const u32*>(b + 16 * WW::kLo)[lane * 16 / G];
-    }
-}
 template <int G, int kCodec, bool kPeer>
 __device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S, Codes8& c0, Codes8& c1) {
     const uint2 lo = kPeer ? __ldcg(reinterpret_cast<const uint2*>(sl) + u) : __ldg(reinterpret_cast<const uint2*>(sl) + u);

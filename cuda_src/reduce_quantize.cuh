@@ -340,9 +340,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // the in-thread pair's). kOut: the owner (incoming slices read as peer memory, its output slice
 // written); else a contribution (no incoming). Units [u_first, u_end) that lie whole in every
 // buffer, all 16-byte aligned (u_end a multiple of 32), walked with `stride` (a multiple of 32);
-// the ring (g_ring) holds a unit's own input and residual, and with one incoming slice (two ranks)
-// that slice's codes and scales (g_wire_ring): the owner's latency-bound load (one rank alone, P = 2,
-// 1 GiB: a quarter of its warps' samples waited there, docs/notes/fused.md).
+// the ring (g_ring) holds a unit's own input and residual.
 template <typename T, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec>
 __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float, T>& a, i64 u_first, i64 u_end,
                                                        i64 stride) {
@@ -364,7 +362,6 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
     const i64 codes_bytes = W::codes_bytes(S);
     const int nin = (int)a.n_in, opos = (int)a.own_pos;
     const bool has_res = residual != nullptr;
-    const bool in_ring = kOut && nin == 1;   // two ranks: the incoming slice's wire bytes come with the ring too
 
     const int hb = (int)(u_first & 1);   // the half of its rotation block, fixed
     const int lane = threadIdx.x & 31;
@@ -374,7 +371,6 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
             uint4* r = warp_ring(slot);
             unit16_copy_async(r, own + ((uu - lane) << 4));
             if (has_res) unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
-            if (in_ring) warp_wire16_copy_async<GIn, kInCodec>(warp_wire_ring(slot), incoming, uu - lane, S);
         }
         cp_async_commit();
     };
@@ -386,7 +382,6 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         cp_async_wait<kRingDepth - 1>();
         __syncwarp();
         uint4* const r = warp_ring(slot);
-        const int rs = slot;
         slot = slot + 1 == kRingDepth ? 0 : slot + 1;
         uint4 w0, w1;
         unit16_read(r, w0, w1);
@@ -407,13 +402,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         for (int b = 0; b < nin; ++b) {
             const unsigned char* sl = incoming + (i64)b * in_slice_bytes;
             Codes8 c0, c1;
-            u32 sb;
-            if (in_ring) {   // the one incoming slice came with the ring
-                warp_wire16_read<GIn, kInCodec>(warp_wire_ring(rs), c0, c1, sb);
-            } else {
-                ld_codes16<GIn, kInCodec, true>(sl, u, S, c0, c1);
-                sb = ld_scale_bits<GIn, kInCodec, true>(sl + in_codes_bytes, 2 * u, (2 * u) / WIn::kLanes);
-            }
+            ld_codes16<GIn, kInCodec, true>(sl, u, S, c0, c1);
+            const u32 sb = ld_scale_bits<GIn, kInCodec, true>(sl + in_codes_bytes, 2 * u, (2 * u) / WIn::kLanes);
             const float sc = scale_of<GIn, kInCodec>(sb, 2 * u);
             if (b == opos) {
                 add_terms(acc[0], own_v[0]);
