@@ -369,6 +369,12 @@ class PeerTimeout(RuntimeError):
     pass
 
 
+def phase_firsts(P: int, T: int) -> dict:
+    """The first work item of a two-shot kernel's owner and decode phases, P ranks, T tiles a slice
+    (cuda_src/fused.cuh: (P - 1) T contributions, then T owner items, then the decodes)."""
+    return {"owner": (P - 1) * T, "decode": P * T}
+
+
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
              phases=False, graph=False, tiles=0, observe=None) -> dict:
@@ -450,8 +456,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                     if graph:
                         cases[kn].graph.append(solo.time_graph_us(run, region, iters))
                     if phases and FAMILY[kn] == "two_shot":
-                        T = p.tiles_of(layout)
-                        for name, first in (("owner", (P - 1) * T), ("decode", P * T)):
+                        for name, first in phase_firsts(P, p.tiles_of(layout)).items():
                             cases[kn].later.setdefault(name, []).append(solo.time_us(run, region, iters, first))
                     cp.cuda.runtime.deviceSynchronize()
                     _check_timeout(region, P, nbytes, kn)
@@ -462,8 +467,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 region = p.peers.regions[-1]
                 starts = {"all": -1}
                 if FAMILY[kn] == "two_shot":
-                    T = p.tiles_of(layout)
-                    starts.update(owner=(P - 1) * T, decode=P * T)
+                    starts.update(phase_firsts(P, p.tiles_of(layout)))
 
                 def launch(first=-1, run=run, region=region):
                     solo.arm(region, first)
