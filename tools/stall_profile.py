@@ -14,12 +14,12 @@ of `tools/fused_solo.py` (rank 0 of P alone on the GPU, its peers' data pre-fill
 three ways for a two-shot kernel: the whole call, and the launches that start at its owner's and
 at its decode's first item (the phases before skipped, as ``fused_solo.py --phases`` times them).
 Each selected case runs ``--iters`` times inside one sampling range. For each case: the share of
-samples per stall reason (each sample has one; the ``*_not_issued`` counters, those of a reason's
-samples taken when the scheduler issued nothing, are left out of the shares) (the warp's state when sampled: ``selected`` issued, ``long_scoreboard``
+samples per stall reason, the warp's state when sampled (``selected`` issued, ``long_scoreboard``
 waits on global memory, ``short_scoreboard`` on shuffles and shared memory, ``barrier``,
-``math_pipe_throttle``, ``lg_throttle``, ...), and the hottest PC offsets, which match the
-``/*0xxx*/`` offsets of ``nvdisasm -c`` (or ``cuobjdump -sass``) on the same cubin.
-``--json`` keeps every PC's counts.
+``math_pipe_throttle``, ``lg_throttle``, ...; each sample has one, and the ``*_not_issued``
+counters, which count again a reason's samples taken when the scheduler issued nothing, are left
+out), and the hottest PC offsets, which match the ``/*0xxx*/`` offsets of ``nvdisasm -c`` (or
+``cuobjdump -sass``) on the same cubin. ``--json`` keeps every PC's counts.
 
 ``--annotate F --sass K.sass`` (offline): the samples of a ``--json`` dump by function (a fused
 kernel's phases are device functions inside it: ``phase_contribute``, ``phase_reduce``,
