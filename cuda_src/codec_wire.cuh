@@ -205,6 +205,62 @@ __device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S
     }
 }
 
+// A warp's wire for its 32 units u0 .. u0 + 31 of a 16-element loop (u0 a multiple of 32), as one run
+// of kBytes: the codes' nibble words (8 bytes a unit), int7-h32's bits 4-5 (4) and bit 6 (2), then the
+// scales ld_scale_bits reads (one entry per two units). wire16_copy_async copies it into r by cp.async,
+// one 16-byte piece a lane (wire16_piece; every piece lies in one part: S is a multiple of 512); wire16_codes and
+// wire16_scale_bits read a lane's unit back as ld_codes16 and ld_scale_bits read it from the slice.
+template <int G, int kCodec>
+struct WarpWire16 {
+    using W = Wire<G, kCodec>;
+    static constexpr int kScale = W::k7 ? 4 : (W::kBf16Scale ? 2 : 4);   // bytes per two units
+    static constexpr int kMid = W::k7 ? 256 : 0, kTop = W::k7 ? 384 : 0, kSc = W::k7 ? 448 : 256;
+    static constexpr int kBytes = kSc + 16 * kScale;
+    static_assert(kBytes % 16 == 0 && kBytes <= 512, "a warp's wire: at most one 16-byte piece a lane");
+};
+// This lane's 16-byte piece of its warp's run for units u0 ..: at base + u0 * per_unit (none: per_unit 0).
+struct WirePiece {
+    const unsigned char* base;
+    int per_unit;
+};
+template <int G, int kCodec>
+__device__ __forceinline__ WirePiece wire16_piece(const unsigned char* sl, const unsigned char* scales, i64 S) {
+    using WW = WarpWire16<G, kCodec>;
+    const int i = (threadIdx.x & 31) * 16;
+    if (i < 256) return WirePiece{sl + i, 8};
+    if (i < WW::kTop) return WirePiece{sl + (S >> 1) + (i - WW::kMid), 4};
+    if (i < WW::kSc) return WirePiece{sl + (S >> 1) + (S >> 2) + (i - WW::kTop), 2};
+    if (i < WW::kBytes) return WirePiece{scales + (i - WW::kSc), WW::kScale / 2};
+    return WirePiece{sl, 0};
+}
+// The warp's run for units u0 .. u0 + 31 copied into r (cp.async; the caller commits).
+__device__ __forceinline__ void wire16_copy_async(uint4* r, const WirePiece& p, i64 u0) {
+    if (p.per_unit != 0) cp_async16(r + (threadIdx.x & 31), p.base + u0 * p.per_unit);
+}
+template <int G, int kCodec>
+__device__ __forceinline__ void wire16_codes(const uint4* r, Codes8& c0, Codes8& c1) {
+    using WW = WarpWire16<G, kCodec>;
+    const int lane = threadIdx.x & 31;
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(r);
+    const uint2 lo = reinterpret_cast<const uint2*>(b)[lane];
+    c0 = Codes8{lo.x, 0u};
+    c1 = Codes8{lo.y, 0u};
+    if constexpr (WW::W::k7) {
+        const u32 mid = reinterpret_cast<const u32*>(b + WW::kMid)[lane];
+        const u32 top = reinterpret_cast<const u16*>(b + WW::kTop)[lane];
+        c0.hi = (mid & 0xffffu) | ((top & 0xffu) << 16);
+        c1.hi = (mid >> 16) | ((top >> 8) << 16);
+    }
+}
+template <int G, int kCodec>
+__device__ __forceinline__ u32 wire16_scale_bits(const uint4* r) {
+    using WW = WarpWire16<G, kCodec>;
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(r) + WW::kSc;
+    const int k = (threadIdx.x & 31) >> 1;
+    if constexpr (WW::kScale == 4) return reinterpret_cast<const u32*>(b)[k];
+    else return reinterpret_cast<const u16*>(b)[k];
+}
+
 // From a slice's scales sc, for thread t of group grp, the stored bits: int4's float32 group
 // scale; int4-h32's bfloat16 group scale (bits 0-15); int7-h32's two bfloat16 scales of the
 // rotation block (t / 4) as one word, the lower group's in bits 0-15. Widened to float32 only

@@ -97,12 +97,16 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
     }
 }
 
+// How many steps ahead dequantize_loop16 copies a warp's wire into shared memory (cp.async: in flight
+// without registers; register loads ahead did not shorten the decode, docs/notes/fused.md).
+constexpr int kWireAhead = 2;
+
 // dequantize_loop for the fused kernels with 16 elements a thread (unit u: elements 16u .. 16u + 15
 // of the slice, the half u & 1 of a rotation block: stage h = 8 inside the thread, h = 16 with
 // lane ^ 1; reduce_quantize_loop16), over units [u_first, u_end) of slice `slice` that lie whole
-// in a 16-byte aligned `out` (u_end a multiple of 32), walked with `stride` (a multiple of 32).
-// Same bits as dequantize_loop.
-template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer>
+// in a 16-byte aligned `out` (u_end a multiple of 32), walked with `stride` (a multiple of 32); the
+// wire of each warp's step kWireAhead steps ahead in ring slot 1 (WarpWire16). Same bits as dequantize_loop.
+template <typename OutT, int G, bool kAcc, int kCodec>
 __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                   i64 S, i64 slice, i64 u_first, i64 u_end, i64 stride) {
     using W = Wire<G, kCodec>;
@@ -111,10 +115,25 @@ __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restric
     const unsigned char* scales = sl + W::codes_bytes(S);
     const i64 base = slice * S;
     const int hb = (int)(u_first & 1);
-    for (i64 u = u_first; u < u_end; u += stride) {
+    const int lane = threadIdx.x & 31;
+    uint4* const ring = warp_ring(1);   // kWireAhead + 1 of the warp's wire runs (slot 0 stages the stores)
+    const WirePiece piece = wire16_piece<G, kCodec>(sl, scales, S);
+    for (int k = 0; k < kWireAhead; ++k) {
+        const i64 uk = u_first + k * stride;
+        if (uk < u_end) wire16_copy_async(ring + k * 32, piece, uk - lane);
+        cp_async_commit();
+    }
+    int slot = 0;
+    for (i64 u = u_first; u < u_end; u += stride, slot = slot == kWireAhead ? 0 : slot + 1) {
+        cp_async_wait<kWireAhead - 1>();
+        __syncwarp();   // every lane's copies of this step landed; every lane done reading the last step's
+        const i64 ua = u + kWireAhead * stride;
+        if (ua < u_end)
+            wire16_copy_async(ring + (slot == 0 ? kWireAhead : slot - 1) * 32, piece, ua - lane);
+        cp_async_commit();
         Codes8 c0, c1;
-        ld_codes16<G, kCodec, kPeer>(sl, u, S, c0, c1);
-        const u32 sbits = ld_scale_bits<G, kCodec, kPeer>(scales, 2 * u, (2 * u) / W::kLanes);
+        wire16_codes<G, kCodec>(ring + slot * 32, c0, c1);
+        const u32 sbits = wire16_scale_bits<G, kCodec>(ring + slot * 32);
         const float scale = scale_of<G, kCodec>(sbits, 2 * u);
         float v[2][8];
         decode_codes<kCodec>(c0, v[0]);
@@ -143,9 +162,10 @@ __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restric
                 pack8f<OutT>(v[0], &ow[0]);
                 pack8f<OutT>(v[1], &ow[1]);
             }
-            unit16_store(warp_ring(0), out + base + ((u - (threadIdx.x & 31)) << 4), ow[0], ow[1]);
+            unit16_store(warp_ring(0), out + base + ((u - lane) << 4), ow[0], ow[1]);
         }
     }
+    cp_async_wait<0>();
 }
 
 // The wire parts a decode sums (dequantize with terms > 1, the one-shot quantized all-reduce):

@@ -324,8 +324,8 @@ __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64
         ue, S, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
-                if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec, true>(wire, out, S, slice, u_first, u_end, stride);
-                else dequantize_loop16<T, G, false, kCodec, true>(wire, out, S, slice, u_first, u_end, stride);
+                if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
+                else dequantize_loop16<T, G, false, kCodec>(wire, out, S, slice, u_first, u_end, stride);
             }
         },
         [&](i64 t_first) {
