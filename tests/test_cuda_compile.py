@@ -9,6 +9,7 @@ itself is tested with a fake nvcc.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import stat
@@ -106,7 +107,7 @@ def test_registers_and_spills(prebuilt):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("tool,name", [("fused_solo", "ARM_SOURCE"), ("ticket_bench", "SOURCE")])
+@pytest.mark.parametrize("tool,name", [("fused_solo", "ARM_SOURCE"), ("ticket_bench", "SOURCE"), ("hbm_mix", "SOURCE")])
 def test_the_tools_cuda_sources_compile(nvcc, tool, name):
     """The kernels tools/ hand to NVRTC on the GPU machine compile here too (the same PTX for sm_90)."""
     import importlib
@@ -115,6 +116,10 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
     out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", "-o", "t.ptx", "t.cu"], {"t.cu": getattr(mod, name).encode()},
                             ["t.ptx"], nvcc)
     assert ".entry" in out["t.ptx"].read_text()
+    if tool == "hbm_mix":            # every case the tool can ask for is compiled
+        entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
+        for case in itertools.product(mod.LAYOUTS, mod.WORKS, mod.STORES, mod.LOADS):
+            assert mod.kernel_name(*case) in entries, case
 
 
 @pytest.mark.nvcc
