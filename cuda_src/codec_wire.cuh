@@ -207,9 +207,10 @@ __device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S
 
 // A warp's wire for its 32 units u0 .. u0 + 31 of a 16-element loop (u0 a multiple of 32), as one run
 // of kBytes: the codes' nibble words (8 bytes a unit), int7-h32's bits 4-5 (4) and bit 6 (2), then the
-// scales ld_scale_bits reads (one entry per two units). wire16_copy_async copies it into r by cp.async,
-// one 16-byte piece a lane (wire16_piece; every piece lies in one part: S is a multiple of 512); wire16_codes and
-// wire16_scale_bits read a lane's unit back as ld_codes16 and ld_scale_bits read it from the slice.
+// scales ld_scale_bits reads (one entry per two units). wire16_copy_async copies it into r by
+// cp.async, one 16-byte piece a lane (wire16_piece; every piece lies in one part: S is a multiple of
+// 512); wire16_codes and wire16_scale_bits read a lane's unit back as ld_codes16 and ld_scale_bits
+// read it from the slice.
 template <int G, int kCodec>
 struct WarpWire16 {
     using W = Wire<G, kCodec>;

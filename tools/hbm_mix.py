@@ -48,6 +48,7 @@ template <int WIDE, int WORK, int STAGED, int ASYNC>
 __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* __restrict__ out, long long n) {
     __shared__ __align__(16) uint4 stage[8][64];   // a warp's 1 KiB of output
     __shared__ __align__(16) uint4 ring[3][8][32];  // a warp's wire, three steps
+    __shared__ u32 ring_top[3][8][32];              // planes: the bit-6 word of a lane's pair
     const long long S = n * 16;
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -60,7 +61,7 @@ __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* 
         const u32 sc = __ldcg(reinterpret_cast<const u32*>(w + S - (S >> 3)) + (v >> 1));
         return make_uint4(lo.x, lo.y, mid, top ^ sc);
     };
-    auto issue = [&](long long v, int k) {   // unit v's wire into ring k (planes: 8 + 4 + 4 bytes)
+    auto issue = [&](long long v, int k) {   // unit v's wire into ring k: the bytes load() reads
         unsigned char* r = reinterpret_cast<unsigned char*>(&ring[k][wp][lane]);
         if (v < n) {
             if (WIDE) cp16(r, reinterpret_cast<const uint4*>(w) + v);
@@ -68,6 +69,7 @@ __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* 
                 cp8(r, w + v * 8);
                 cp4(r + 8, w + (S >> 1) + v * 4);
                 cp4(r + 12, w + S - (S >> 3) + (v >> 1) * 4);
+                cp4(&ring_top[k][wp][lane], w + (S >> 1) + (S >> 2) + (v >> 1) * 4);
             }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
@@ -79,6 +81,7 @@ __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* 
             issue(u + 2 * stride, (step + 2) % 3);
             asm volatile("cp.async.wait_group 2;" ::: "memory");
             c = ring[step % 3][wp][lane];
+            if (!WIDE) c.w ^= ring_top[step % 3][wp][lane];
         } else {
             c = load(u);
         }
