@@ -192,17 +192,25 @@ __device__ __forceinline__ void st_codes16(unsigned char* sl, i64 codes_bytes, i
     }
     if (G == 16 || (u & 1) == 0) st_scale<W>(sl + codes_bytes, G == 16 ? u : u >> 1, scale);
 }
-template <int G, int kCodec, bool kPeer>
-__device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S, Codes8& c0, Codes8& c1) {
-    const uint2 lo = kPeer ? __ldcg(reinterpret_cast<const uint2*>(sl) + u) : __ldg(reinterpret_cast<const uint2*>(sl) + u);
+// Unit u's codes (threads 2u and 2u + 1) from its nibble words lo and, int7-h32 (k7), the u32 of its
+// bits 4-5 (mid) and the u16 of its bit 6 (top), as st_codes16 stores them.
+template <bool k7>
+__device__ __forceinline__ void unit_codes(uint2 lo, u32 mid, u32 top, Codes8& c0, Codes8& c1) {
     c0 = Codes8{lo.x, 0u};
     c1 = Codes8{lo.y, 0u};
-    if constexpr (Wire<G, kCodec>::k7) {
-        const u32 mid = ld_wire_u32<kPeer>(sl + (S >> 1) + 4 * u);
-        const u32 top = ld_wire_u16<kPeer>(sl + (S >> 1) + (S >> 2) + 2 * u);
+    if constexpr (k7) {
         c0.hi = (mid & 0xffffu) | ((top & 0xffu) << 16);
         c1.hi = (mid >> 16) | ((top >> 8) << 16);
     }
+}
+template <int G, int kCodec, bool kPeer>
+__device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S, Codes8& c0, Codes8& c1) {
+    const uint2 lo = kPeer ? __ldcg(reinterpret_cast<const uint2*>(sl) + u) : __ldg(reinterpret_cast<const uint2*>(sl) + u);
+    if constexpr (Wire<G, kCodec>::k7)
+        unit_codes<true>(lo, ld_wire_u32<kPeer>(sl + (S >> 1) + 4 * u),
+                         ld_wire_u16<kPeer>(sl + (S >> 1) + (S >> 2) + 2 * u), c0, c1);
+    else
+        unit_codes<false>(lo, 0u, 0u, c0, c1);
 }
 
 // A warp's wire for its 32 units u0 .. u0 + 31 of a 16-element loop (u0 a multiple of 32), as one run
@@ -244,14 +252,11 @@ __device__ __forceinline__ void wire16_codes(const uint4* r, Codes8& c0, Codes8&
     const int lane = threadIdx.x & 31;
     const unsigned char* b = reinterpret_cast<const unsigned char*>(r);
     const uint2 lo = reinterpret_cast<const uint2*>(b)[lane];
-    c0 = Codes8{lo.x, 0u};
-    c1 = Codes8{lo.y, 0u};
-    if constexpr (WW::W::k7) {
-        const u32 mid = reinterpret_cast<const u32*>(b + WW::kMid)[lane];
-        const u32 top = reinterpret_cast<const u16*>(b + WW::kTop)[lane];
-        c0.hi = (mid & 0xffffu) | ((top & 0xffu) << 16);
-        c1.hi = (mid >> 16) | ((top >> 8) << 16);
-    }
+    if constexpr (WW::W::k7)
+        unit_codes<true>(lo, reinterpret_cast<const u32*>(b + WW::kMid)[lane],
+                         reinterpret_cast<const u16*>(b + WW::kTop)[lane], c0, c1);
+    else
+        unit_codes<false>(lo, 0u, 0u, c0, c1);
 }
 template <int G, int kCodec>
 __device__ __forceinline__ u32 wire16_scale_bits(const uint4* r) {
