@@ -1,5 +1,6 @@
-// echonccl codec: the wire format on the GPU (codec.py, "Codecs"): codes packed and decoded, the
-// codecs' geometry (Wire), and the loads of codes and scales from a wire slice.
+// echonccl codec: the wire format on the GPU (codec.py, "Slices" and "Codecs"): codes packed and
+// decoded, the codecs' geometry (Wire: a slice's 512-element chunks), and the loads and stores of
+// codes and scales in a wire slice.
 #ifndef ECHO_CODEC_WIRE_CUH
 #define ECHO_CODEC_WIRE_CUH
 
@@ -37,6 +38,10 @@ __device__ __forceinline__ void decode8(u32 w, float (&q)[8]) {
 // 7-bit codes in three sections, a bfloat16 scale per 16 elements: codec.py, "int7-h32").
 constexpr int kInt4 = 0, kInt4H32 = 1, kInt7H32 = 2;
 
+// A slice of S elements (a multiple of 512) is S / 512 chunks of kChunkBytes, one per 512 elements
+// in order: the chunk's 256 bytes of nibbles, int7-h32's 128 bytes of bits 4-5 (kMid) and 64 of bit
+// 6 (kTop), then its scales (kScaleOff, one per group in order). A warp's 32 units of 16 elements
+// are one chunk, contiguous.
 template <int G, int kCodec>
 struct Wire {
     static constexpr bool kRot = kCodec != kInt4;
@@ -45,8 +50,17 @@ struct Wire {
     static_assert(k7 ? G == 16 : (G == 32 || G == 64 || G == 128), "group size of the codec");
     static constexpr int kLanes = G / 8;                // lanes per group
     static constexpr int kLevels = k7 ? 63 : 7;
-    __device__ static __forceinline__ i64 codes_bytes(i64 S) { return k7 ? S - (S >> 3) : S >> 1; }
-    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return k7 ? S : (S >> 1) + (kBf16Scale ? 2 : 4) * (S / G); }
+    static constexpr int kScaleBytes = kBf16Scale ? 2 : 4;
+    static constexpr int kMid = 256, kTop = 384;        // int7-h32's sections in a chunk
+    static constexpr int kScaleOff = k7 ? 448 : 256;
+    static constexpr int kChunkGroups = 512 / G;
+    static constexpr int kChunkBytes = kScaleOff + kScaleBytes * kChunkGroups;
+    __device__ static __forceinline__ i64 slice_bytes(i64 S) { return (S >> 9) * kChunkBytes; }
+    // Byte offset of the chunk holding element e; of group grp's scale in its chunk.
+    __device__ static __forceinline__ i64 chunk(i64 e) { return (e >> 9) * kChunkBytes; }
+    __device__ static __forceinline__ int scale_in_chunk(i64 grp) {
+        return kScaleOff + kScaleBytes * (int)(grp & (kChunkGroups - 1));
+    }
 };
 
 // A thread's 8 codes as stored: lo = the nibble word; int7-h32: hi = the u16 of bits 4-5
@@ -112,25 +126,25 @@ __device__ __forceinline__ Codes8 pack_codes(const u32 (&code)[8]) {
     return c;
 }
 
-// Store group grp's scale into a slice's scales sc (a bfloat16 scale is a truncated float32 already).
+// Store group grp's scale into its chunk ch (a bfloat16 scale is a truncated float32 already).
 template <typename W>
-__device__ __forceinline__ void st_scale(unsigned char* sc, i64 grp, float scale) {
-    if constexpr (W::kBf16Scale) reinterpret_cast<u16*>(sc)[grp] = (u16)(fbits(scale) >> 16);
-    else reinterpret_cast<float*>(sc)[grp] = scale;
+__device__ __forceinline__ void st_scale(unsigned char* ch, i64 grp, float scale) {
+    if constexpr (W::kBf16Scale) *reinterpret_cast<u16*>(ch + W::scale_in_chunk(grp)) = (u16)(fbits(scale) >> 16);
+    else *reinterpret_cast<float*>(ch + W::scale_in_chunk(grp)) = scale;
 }
 
-// Store thread t (of group grp) 's packed codes, and (the group's first lane) its scale, into
-// slice sl of S elements whose scales start at byte codes_bytes.
+// Store thread t (of group grp) 's packed codes, and (the group's first lane) its scale, into slice sl.
 template <int G, int kCodec>
-__device__ __forceinline__ void st_codes(unsigned char* sl, i64 codes_bytes, i64 t, i64 grp, i64 S,
-                                         const Codes8& c, float scale) {
+__device__ __forceinline__ void st_codes(unsigned char* sl, i64 t, i64 grp, const Codes8& c, float scale) {
     using W = Wire<G, kCodec>;
-    reinterpret_cast<u32*>(sl)[t] = c.lo;
+    unsigned char* ch = sl + W::chunk(t << 3);
+    const int i = (int)(t & 63);
+    reinterpret_cast<u32*>(ch)[i] = c.lo;
     if constexpr (W::k7) {
-        reinterpret_cast<u16*>(sl + (S >> 1))[t] = (u16)(c.hi & 0xffffu);
-        sl[(S >> 1) + (S >> 2) + t] = (unsigned char)(c.hi >> 16);
+        reinterpret_cast<u16*>(ch + W::kMid)[i] = (u16)(c.hi & 0xffffu);
+        ch[W::kTop + i] = (unsigned char)(c.hi >> 16);
     }
-    if ((t & (W::kLanes - 1)) == 0) st_scale<W>(sl + codes_bytes, grp, scale);
+    if ((t & (W::kLanes - 1)) == 0) st_scale<W>(ch, grp, scale);
 }
 
 // acc[i] += fl(q_i * scale): the decoded value of one incoming slice.
@@ -171,26 +185,29 @@ __device__ __forceinline__ u32 ld_wire_u8(const void* p) {
 
 // Thread t's codes in slice sl.
 template <int G, int kCodec, bool kPeer>
-__device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t, i64 S) {
+__device__ __forceinline__ Codes8 ld_codes(const unsigned char* sl, i64 t) {
+    using W = Wire<G, kCodec>;
+    const unsigned char* ch = sl + W::chunk(t << 3);
+    const int i = (int)(t & 63);
     Codes8 c;
-    c.lo = ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sl) + t);
+    c.lo = ld_wire_u32<kPeer>(ch + 4 * i);
     c.hi = 0u;
-    if constexpr (Wire<G, kCodec>::k7)
-        c.hi = ld_wire_u16<kPeer>(sl + (S >> 1) + 2 * t) | (ld_wire_u8<kPeer>(sl + (S >> 1) + (S >> 2) + t) << 16);
+    if constexpr (W::k7) c.hi = ld_wire_u16<kPeer>(ch + W::kMid + 2 * i) | (ld_wire_u8<kPeer>(ch + W::kTop + i) << 16);
     return c;
 }
 // The 16-element loops' (reduce_quantize_loop16, dequantize_loop16) unit u = threads 2u and 2u + 1:
 // their codes stored (and the scale, by the group's first unit) / loaded, as st_codes / ld_codes do.
 template <int G, int kCodec>
-__device__ __forceinline__ void st_codes16(unsigned char* sl, i64 codes_bytes, i64 u, i64 S, const Codes8& c0,
-                                           const Codes8& c1, float scale) {
+__device__ __forceinline__ void st_codes16(unsigned char* sl, i64 u, const Codes8& c0, const Codes8& c1, float scale) {
     using W = Wire<G, kCodec>;
-    reinterpret_cast<uint2*>(sl)[u] = make_uint2(c0.lo, c1.lo);
+    unsigned char* ch = sl + W::chunk(u << 4);
+    const int i = (int)(u & 31);
+    reinterpret_cast<uint2*>(ch)[i] = make_uint2(c0.lo, c1.lo);
     if constexpr (W::k7) {
-        reinterpret_cast<u32*>(sl + (S >> 1))[u] = (c0.hi & 0xffffu) | (c1.hi << 16);
-        reinterpret_cast<u16*>(sl + (S >> 1) + (S >> 2))[u] = (u16)(((c0.hi >> 16) & 0xffu) | ((c1.hi >> 8) & 0xff00u));
+        reinterpret_cast<u32*>(ch + W::kMid)[i] = (c0.hi & 0xffffu) | (c1.hi << 16);
+        reinterpret_cast<u16*>(ch + W::kTop)[i] = (u16)(((c0.hi >> 16) & 0xffu) | ((c1.hi >> 8) & 0xff00u));
     }
-    if (G == 16 || (u & 1) == 0) st_scale<W>(sl + codes_bytes, G == 16 ? u : u >> 1, scale);
+    if (G == 16 || (u & 1) == 0) st_scale<W>(ch, G == 16 ? u : u >> 1, scale);
 }
 // Unit u's codes (threads 2u and 2u + 1) from its nibble words lo and, int7-h32 (k7), the u32 of its
 // bits 4-5 (mid) and the u16 of its bit 6 (top), as st_codes16 stores them.
@@ -204,28 +221,28 @@ __device__ __forceinline__ void unit_codes(uint2 lo, u32 mid, u32 top, Codes8& c
     }
 }
 template <int G, int kCodec, bool kPeer>
-__device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, i64 S, Codes8& c0, Codes8& c1) {
-    const uint2 lo = kPeer ? __ldcg(reinterpret_cast<const uint2*>(sl) + u) : __ldg(reinterpret_cast<const uint2*>(sl) + u);
-    if constexpr (Wire<G, kCodec>::k7)
-        unit_codes<true>(lo, ld_wire_u32<kPeer>(sl + (S >> 1) + 4 * u),
-                         ld_wire_u16<kPeer>(sl + (S >> 1) + (S >> 2) + 2 * u), c0, c1);
+__device__ __forceinline__ void ld_codes16(const unsigned char* sl, i64 u, Codes8& c0, Codes8& c1) {
+    using W = Wire<G, kCodec>;
+    const unsigned char* ch = sl + W::chunk(u << 4);
+    const int i = (int)(u & 31);
+    const uint2* p = reinterpret_cast<const uint2*>(ch) + i;
+    const uint2 lo = kPeer ? __ldcg(p) : __ldg(p);
+    if constexpr (W::k7)
+        unit_codes<true>(lo, ld_wire_u32<kPeer>(ch + W::kMid + 4 * i), ld_wire_u16<kPeer>(ch + W::kTop + 2 * i), c0, c1);
     else
         unit_codes<false>(lo, 0u, 0u, c0, c1);
 }
 
-// A warp's wire for its 32 units u0 .. u0 + 31 of a 16-element loop (u0 a multiple of 32), as one run
-// of kBytes: the codes' nibble words (8 bytes a unit), int7-h32's bits 4-5 (4) and bit 6 (2), then the
-// scales ld_scale_bits reads (one entry per two units). wire16_copy_async copies it into r by
-// cp.async, one 16-byte piece a lane (wire16_piece; every piece lies in one part: S is a multiple of
-// 512); wire16_codes and wire16_scale_bits read a lane's unit back as ld_codes16 and ld_scale_bits
-// read it from the slice.
+// A warp's wire for its 32 units u0 .. u0 + 31 of a 16-element loop (u0 a multiple of 32): one chunk
+// of the slice (Wire). wire16_copy_async copies it into r by cp.async, one 16-byte piece a lane
+// (wire16_piece); wire16_codes and wire16_scale_bits read a lane's unit back as ld_codes16 and
+// ld_scale_bits read it from the slice.
 template <int G, int kCodec>
 struct WarpWire16 {
     using W = Wire<G, kCodec>;
-    static constexpr int kScale = W::k7 ? 4 : (W::kBf16Scale ? 2 : 4);   // bytes per two units
-    static constexpr int kMid = W::k7 ? 256 : 0, kTop = W::k7 ? 384 : 0, kSc = W::k7 ? 448 : 256;
-    static constexpr int kBytes = kSc + 16 * kScale;
-    static_assert(kBytes % 16 == 0 && kBytes <= 512, "a warp's wire: at most one 16-byte piece a lane");
+    static constexpr int kScale = W::k7 ? 4 : W::kScaleBytes;   // bytes of scales per two units
+    static constexpr int kBytes = W::kChunkBytes;
+    static_assert(G <= 32 && kBytes % 32 == 0 && kBytes <= 512, "a warp's wire: at most one 16-byte piece a lane");
 };
 // This lane's 16-byte piece of its warp's run for units u0 ..: at base + u0 * per_unit (none: per_unit 0).
 struct WirePiece {
@@ -233,13 +250,10 @@ struct WirePiece {
     int per_unit;
 };
 template <int G, int kCodec>
-__device__ __forceinline__ WirePiece wire16_piece(const unsigned char* sl, const unsigned char* scales, i64 S) {
+__device__ __forceinline__ WirePiece wire16_piece(const unsigned char* sl) {
     using WW = WarpWire16<G, kCodec>;
     const int i = (threadIdx.x & 31) * 16;
-    if (i < 256) return WirePiece{sl + i, 8};
-    if (i < WW::kTop) return WirePiece{sl + (S >> 1) + (i - WW::kMid), 4};
-    if (i < WW::kSc) return WirePiece{sl + (S >> 1) + (S >> 2) + (i - WW::kTop), 2};
-    if (i < WW::kBytes) return WirePiece{scales + (i - WW::kSc), WW::kScale / 2};
+    if (i < WW::kBytes) return WirePiece{sl + i, WW::kBytes / 32};
     return WirePiece{sl, 0};
 }
 // The warp's run for units u0 .. u0 + 31 copied into r (cp.async; the caller commits).
@@ -253,30 +267,31 @@ __device__ __forceinline__ void wire16_codes(const uint4* r, Codes8& c0, Codes8&
     const unsigned char* b = reinterpret_cast<const unsigned char*>(r);
     const uint2 lo = reinterpret_cast<const uint2*>(b)[lane];
     if constexpr (WW::W::k7)
-        unit_codes<true>(lo, reinterpret_cast<const u32*>(b + WW::kMid)[lane],
-                         reinterpret_cast<const u16*>(b + WW::kTop)[lane], c0, c1);
+        unit_codes<true>(lo, reinterpret_cast<const u32*>(b + WW::W::kMid)[lane],
+                         reinterpret_cast<const u16*>(b + WW::W::kTop)[lane], c0, c1);
     else
         unit_codes<false>(lo, 0u, 0u, c0, c1);
 }
 template <int G, int kCodec>
 __device__ __forceinline__ u32 wire16_scale_bits(const uint4* r) {
     using WW = WarpWire16<G, kCodec>;
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(r) + WW::kSc;
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(r) + WW::W::kScaleOff;
     const int k = (threadIdx.x & 31) >> 1;
     if constexpr (WW::kScale == 4) return reinterpret_cast<const u32*>(b)[k];
     else return reinterpret_cast<const u16*>(b)[k];
 }
 
-// From a slice's scales sc, for thread t of group grp, the stored bits: int4's float32 group
-// scale; int4-h32's bfloat16 group scale (bits 0-15); int7-h32's two bfloat16 scales of the
-// rotation block (t / 4) as one word, the lower group's in bits 0-15. Widened to float32 only
-// by scale_of and unit_nan, at the use: a load ahead of its use (a prefetch) stays in flight.
+// From slice sl, for thread t (elements 8t ..) of group grp, the stored scale bits: int4's float32
+// group scale; int4-h32's bfloat16 group scale (bits 0-15); int7-h32's two bfloat16 scales of the
+// rotation block (t / 4) as one word, the lower group's in bits 0-15. Widened to float32 only by
+// scale_of and unit_nan, at the use: a load ahead of its use (a prefetch) stays in flight.
 template <int G, int kCodec, bool kPeer>
-__device__ __forceinline__ u32 ld_scale_bits(const unsigned char* sc, i64 t, i64 grp) {
+__device__ __forceinline__ u32 ld_scale_bits(const unsigned char* sl, i64 t, i64 grp) {
     using W = Wire<G, kCodec>;
-    if constexpr (W::k7) return ld_wire_u32<kPeer>(reinterpret_cast<const u32*>(sc) + (t >> 2));
-    else if constexpr (W::kBf16Scale) return ld_wire_u16<kPeer>(reinterpret_cast<const u16*>(sc) + grp);
-    else return fbits(ld_wire_f32<kPeer>(reinterpret_cast<const float*>(sc) + grp));
+    const unsigned char* ch = sl + W::chunk(t << 3);
+    if constexpr (W::k7) return ld_wire_u32<kPeer>(ch + W::scale_in_chunk(grp & ~(i64)1));
+    else if constexpr (W::kBf16Scale) return ld_wire_u16<kPeer>(ch + W::scale_in_chunk(grp));
+    else return fbits(ld_wire_f32<kPeer>(ch + W::scale_in_chunk(grp)));
 }
 // The float32 bits of thread t's scale, from ld_scale_bits.
 template <int G, int kCodec>

@@ -50,7 +50,6 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
     constexpr bool kRot = W::kRot;
     constexpr int kLanes = W::kLanes;
     const unsigned char* sl = wire + slice * W::slice_bytes(S);
-    const unsigned char* scales = sl + W::codes_bytes(S);
     const i64 base = slice * S;
     i64 nthreads = S >> 3;
     if (count - base < S) nthreads = (count - base + 7) >> 3;
@@ -66,8 +65,8 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
         for (int u = 0; u < kU; ++u) {
             const i64 t = t0 + u * stride;
             if (u == 0 || t < nthreads) {
-                w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
-                sbits[u] = ld_scale_bits<G, kCodec, kPeer>(scales, t, t / kLanes);
+                w[u] = ld_codes<G, kCodec, kPeer>(sl, t);
+                sbits[u] = ld_scale_bits<G, kCodec, kPeer>(sl, t, t / kLanes);
             }
         }
 #pragma unroll
@@ -112,12 +111,11 @@ __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restric
     using W = Wire<G, kCodec>;
     static_assert(Traits<OutT>::kBytes == 2 && G <= 32, "16-bit outputs, groups of at most 32");
     const unsigned char* sl = wire + slice * W::slice_bytes(S);
-    const unsigned char* scales = sl + W::codes_bytes(S);
     const i64 base = slice * S;
     const int hb = (int)(u_first & 1);
     const int lane = threadIdx.x & 31;
     uint4* const ring = warp_ring(1);   // kWireAhead + 1 of the warp's wire runs (slot 0 stages the stores)
-    const WirePiece piece = wire16_piece<G, kCodec>(sl, scales, S);
+    const WirePiece piece = wire16_piece<G, kCodec>(sl);
     for (int k = 0; k < kWireAhead; ++k) {
         const i64 uk = u_first + k * stride;
         if (uk < u_end) wire16_copy_async(ring + k * 32, piece, uk - lane);
@@ -189,7 +187,6 @@ __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __
     constexpr int kLanes = W::kLanes;
     constexpr int kUnitLanes = W::k7 ? kRotLanes : kLanes;   // the NaN/Inf unit: group, int7-h32's block
     const i64 off = slice * W::slice_bytes(S);
-    const i64 codes_bytes = W::codes_bytes(S);
     const i64 base = slice * S;
     i64 nthreads = S >> 3;
     if (count - base < S) nthreads = (count - base + 7) >> 3;
@@ -208,8 +205,8 @@ __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __
             for (int u = 0; u < 2; ++u) {
                 if (u == 0 || s0 + 1 < terms.n) {
                     const unsigned char* sl = terms.base + (s0 + u) * terms.stride + off;
-                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t, S);
-                    sbits[u] = ld_scale_bits<G, kCodec, kPeer>(sl + codes_bytes, t, t / kLanes);
+                    w[u] = ld_codes<G, kCodec, kPeer>(sl, t);
+                    sbits[u] = ld_scale_bits<G, kCodec, kPeer>(sl, t, t / kLanes);
                 }
             }
 #pragma unroll
@@ -258,8 +255,6 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
     uint4* stage = stage_all[threadIdx.x >> 5];
     const int lane = threadIdx.x & 31;
     const unsigned char* sl = wire + slice * W::slice_bytes(S);
-    const uint4* codes = reinterpret_cast<const uint4*>(sl);
-    const unsigned char* scales = sl + W::codes_bytes(S);
     uint4* o = reinterpret_cast<uint4*>(out + slice * S);
     const i64 u_end = S >> 5;
     for (i64 u0 = u_first - lane; u0 < u_end; u0 += stride) {
@@ -268,8 +263,8 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
         uint4 w = make_uint4(0u, 0u, 0u, 0u);
         u32 sbits = 0u;
         if (u < u_end) {
-            w = ldg16(codes + u);
-            sbits = ld_scale_bits<32, kInt4H32, false>(scales, 0, u);
+            w = ldg16(reinterpret_cast<const uint4*>(sl + W::chunk(u << 5)) + (u & 15));
+            sbits = ld_scale_bits<32, kInt4H32, false>(sl, 4 * u, u);
         }
         uint4 prev[4];
         if constexpr (kAcc) {

@@ -134,8 +134,6 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     using WIn = Wire<GIn, kInCodec>;
     static_assert(WIn::kRot == kRot, "incoming and outgoing slices in one domain");
     const i64 in_slice_bytes = WIn::slice_bytes(S);
-    const i64 in_codes_bytes = WIn::codes_bytes(S);
-    const i64 codes_bytes = W::codes_bytes(S);
     const bool own_vec = aligned16(own);
     const bool res_vec = residual != nullptr && aligned16(residual);
     const int nin = (int)n_in, opos = (int)own_pos;
@@ -216,9 +214,9 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             for (int u = 0; u < kBatch; ++u) {
                 if (b0 + u < nin) {
                     const unsigned char* sl = incoming + (i64)(b0 + u) * in_slice_bytes;
-                    w[u] = ld_codes<GIn, kInCodec, kPeer>(sl, t, S);
+                    w[u] = ld_codes<GIn, kInCodec, kPeer>(sl, t);
                     sc[u] = scale_of<GIn, kInCodec>(
-                        ld_scale_bits<GIn, kInCodec, kPeer>(sl + in_codes_bytes, t, t / WIn::kLanes), t);
+                        ld_scale_bits<GIn, kInCodec, kPeer>(sl, t, t / WIn::kLanes), t);
                 }
             }
 #pragma unroll
@@ -247,8 +245,8 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
         u32 code[8];
         const float scale = quantize_values<W>(acc, amax, finite, qf, code);
         const Codes8 packed = pack_codes<kCodec>(code);
-        st_codes<G, kCodec>(wire_out, codes_bytes, t, grp, S, packed, scale);
-        for (int c = 0; c < ncopies; ++c) st_codes<G, kCodec>(copies[c] + copy_off, codes_bytes, t, grp, S, packed, scale);
+        st_codes<G, kCodec>(wire_out, t, grp, packed, scale);
+        for (int c = 0; c < ncopies; ++c) st_codes<G, kCodec>(copies[c] + copy_off, t, grp, packed, scale);
 
         if (residual != nullptr || (kOut && out_p != nullptr)) {   // warp-uniform
             // The decoded values fl(q * scale), in the values' domain where the output or the
@@ -358,8 +356,6 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
     constexpr bool kRot = W::kRot;
     static_assert(WIn::kRot == kRot && sizeof(T) == 2 && G <= 32 && GIn <= 32, "a 16-bit, one-domain owner");
     const i64 in_slice_bytes = WIn::slice_bytes(S);
-    const i64 in_codes_bytes = WIn::codes_bytes(S);
-    const i64 codes_bytes = W::codes_bytes(S);
     const int nin = (int)a.n_in, opos = (int)a.own_pos;
     const bool has_res = residual != nullptr;
 
@@ -402,8 +398,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         for (int b = 0; b < nin; ++b) {
             const unsigned char* sl = incoming + (i64)b * in_slice_bytes;
             Codes8 c0, c1;
-            ld_codes16<GIn, kInCodec, true>(sl, u, S, c0, c1);
-            const u32 sb = ld_scale_bits<GIn, kInCodec, true>(sl + in_codes_bytes, 2 * u, (2 * u) / WIn::kLanes);
+            ld_codes16<GIn, kInCodec, true>(sl, u, c0, c1);
+            const u32 sb = ld_scale_bits<GIn, kInCodec, true>(sl, 2 * u, (2 * u) / WIn::kLanes);
             const float sc = scale_of<GIn, kInCodec>(sb, 2 * u);
             if (b == opos) {
                 add_terms(acc[0], own_v[0]);
@@ -438,8 +434,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         const float scale = quantize_values<W>(reinterpret_cast<const float (&)[16]>(acc), amax, finite, qf, code);
         const Codes8 p0 = pack_codes<kCodec>(reinterpret_cast<const u32 (&)[8]>(code[0]));
         const Codes8 p1 = pack_codes<kCodec>(reinterpret_cast<const u32 (&)[8]>(code[8]));
-        st_codes16<G, kCodec>(wire_out, codes_bytes, u, S, p0, p1, scale);
-        for (int c = 0; c < ncopies; ++c) st_codes16<G, kCodec>(copies[c] + copy_off, codes_bytes, u, S, p0, p1, scale);
+        st_codes16<G, kCodec>(wire_out, u, p0, p1, scale);
+        for (int c = 0; c < ncopies; ++c) st_codes16<G, kCodec>(copies[c] + copy_off, u, p0, p1, scale);
 
         float e[2][8];
 #pragma unroll
@@ -515,7 +511,6 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
     uint4* stage = stage_all[kStage ? threadIdx.x >> 5 : 0];
     using W = Wire<32, kInt4H32>;
     const i64 slice_bytes = W::slice_bytes(S);
-    const i64 codes_bytes = W::codes_bytes(S);
     const int nin = (int)n_in, opos = (int)own_pos;
     const int lane = threadIdx.x & 31;
     const i64 u_end = S >> 5;
@@ -538,8 +533,8 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
         // Incoming slice b's code words and scale, loaded kAhead slices ahead of their use.
         auto ld_in = [&](int b, uint4& w, u32& sc) {   // sc: the stored bits (ld_scale_bits)
             const unsigned char* sl = incoming + (i64)b * slice_bytes;
-            w = ldg16(reinterpret_cast<const uint4*>(sl) + u);
-            sc = ld_scale_bits<32, kInt4H32, false>(sl + codes_bytes, 0, u);
+            w = ldg16(reinterpret_cast<const uint4*>(sl + W::chunk(u << 5)) + (u & 15));
+            sc = ld_scale_bits<32, kInt4H32, false>(sl, 4 * u, u);
         };
         uint4 w_ring[kAhead];
         u32 sc_ring[kAhead];
@@ -617,10 +612,11 @@ __device__ __forceinline__ void reduce_quantize_block32(const RqArgs<InT, ResT, 
         const float scale = quantize_values<W>(reinterpret_cast<const float (&)[32]>(acc), amax, finite,
                                                reinterpret_cast<float (&)[32]>(qf), reinterpret_cast<u32 (&)[32]>(code));
         if (valid) {
-            reinterpret_cast<uint4*>(wire_out)[u] =
+            unsigned char* ch = wire_out + W::chunk(u << 5);
+            reinterpret_cast<uint4*>(ch)[u & 15] =
                 make_uint4(pack_codes<kInt4H32>(code[0]).lo, pack_codes<kInt4H32>(code[1]).lo,
                            pack_codes<kInt4H32>(code[2]).lo, pack_codes<kInt4H32>(code[3]).lo);
-            st_scale<W>(wire_out + codes_bytes, u, scale);
+            st_scale<W>(ch, u, scale);
         }
         if (residual == nullptr) continue;
 

@@ -12,18 +12,23 @@ group size) and the tail zero-padded (`layout.Layout`). A slice is cut into
 ``S / G`` groups of ``G`` consecutive elements, ``G`` the codec's group size
 (`group_size`: 32 for ``int4`` and ``int4-h32``, 16 for ``int7-h32``).
 
-Byte layout of one slice on the wire (``slice_bytes(S, G)`` bytes)::
+Byte layout of one slice on the wire (``slice_bytes(S, G)`` bytes): ``S / 512``
+chunks, one per ``CHUNK`` = 512 consecutive elements, in order; each chunk holds
+its elements' codes, then its groups' scales::
 
-    [ codes: S/2 bytes ][ scales: S/G IEEE float32, little-endian ]
+    [ chunk 0: codes: 256 bytes | scales: 512/G IEEE float32, little-endian ][ chunk 1 ] ...
 
-* codes: element ``2i`` of the slice in the low nibble of byte ``i``, element
+* codes: element ``2i`` of the chunk in the low nibble of byte ``i``, element
   ``2i+1`` in the high nibble. A nibble is a 4-bit two's-complement integer
   ``q`` in ``[-7, 7]``; the pattern ``0x8`` (-8) is never written.
 * scales: one float32 per group, in group order (``int4-h32``: a bfloat16, see
   "Codecs"). Formats with float32's exponent range, so that no group can
   underflow (a group whose largest magnitude is 1e-30 keeps its values) or
-  overflow (bf16/fp32 values up to the dtype's maximum decode finite). Both
-  sections start 16-byte aligned because ``S`` is a multiple of 512.
+  overflow (bf16/fp32 values up to the dtype's maximum decode finite).
+
+Every chunk, and each part of it, starts 16-byte aligned, and a chunk is the wire
+of a warp's 512 elements on a GPU: one contiguous run (``chunks`` and
+``unchunk`` move between this layout and the sections of a whole slice).
 
 Encoding a group (all arithmetic IEEE float32, round to nearest even, no
 fused multiply-add, no approximate division)::
@@ -94,7 +99,7 @@ round to +-Inf; ``int4`` returns a single rank's maximum exactly.
 
 ``int4-h32``'s scales: the group's scale is ``amax / 7`` *truncated* to a bfloat16, at
 least 2**-133 (bfloat16's smallest subnormal), stored as the high 16 bits of the float32
-(``[ codes: S/2 bytes ][ scales: S/G bfloat16 ]``), a non-finite group's as 0x7FC0::
+(a chunk: ``[ codes: 256 bytes | scales: 512/G bfloat16 ]``), a non-finite group's as 0x7FC0::
 
     scale = 0                                         if amax == 0
           = max(trunc_bf16(fl(amax / 7)), 2**-133)    otherwise
@@ -113,11 +118,11 @@ valid for another (`feedback.Feedback` records the codec).
 
 ``int7-h32``: 7-bit codes, a 16-bit scale per 16 elements, the same rotation (the
 accuracy mode: exactly 8 bits an element). Groups are ``G = 16`` (`group_size`), so a
-rotation block holds two groups. A slice of ``S`` elements is ``S`` bytes::
+rotation block holds two groups. A chunk of 512 elements is 512 bytes::
 
-    [ low nibbles: S/2 ][ bits 4-5: S/4 ][ bit 6: S/8 ][ scales: S/16 bfloat16, little-endian ]
+    [ low nibbles: 256 ][ bits 4-5: 128 ][ bit 6: 64 ][ scales: 32 bfloat16, little-endian ]
 
-Element ``i`` has the 7-bit offset code ``u = q + 63`` in ``[0, 126]``: its bits 0-3 in
+Element ``i`` of a chunk has the 7-bit offset code ``u = q + 63`` in ``[0, 126]``: its bits 0-3 in
 nibble ``i`` of the first section (packed as ``int4``'s codes); with ``k = i % 8``,
 ``j = k // 2`` and ``odd = k % 2``, its bits 4-5 at bits ``2 j`` of byte ``2 (i // 8) + odd``
 of the second, and its bit 6 at bit ``j + 4 odd`` of byte ``i // 8`` of the third (per 8
@@ -187,6 +192,7 @@ DEFAULT_CODEC = MIXED
 ROT_BLOCK = 32
 ROT_SIGNS = 0x6A09E667
 SLICE_QUANTUM = 512
+CHUNK = 512                 # elements of a wire chunk (see "Slices")
 QMAX = 7
 SCALE_DTYPE = np.dtype("<f4")
 _GROUPS = {"int4": 32, "int4-h32": 32, "int7-h32": 16}
@@ -368,8 +374,9 @@ def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
 
 
 def pack_codes(q: np.ndarray, codec: str = "int4") -> np.ndarray:
-    """int8 codes (a multiple of 8 of them) -> the slice's code bytes: int4 nibbles (element
-    2i in the low nibble of byte i), or int7-h32's three sections."""
+    """int8 codes (a multiple of 8 of them) -> their code bytes as sections (no chunks): int4
+    nibbles (element 2i in the low nibble of byte i), or int7-h32's three sections one after
+    another."""
     if not wide(codec):
         return _pack_nibbles(q)
     u = (q.astype(np.int16) + 63).astype(np.uint8)
@@ -381,7 +388,7 @@ def pack_codes(q: np.ndarray, codec: str = "int4") -> np.ndarray:
 
 
 def unpack_codes(b: np.ndarray, codec: str = "int4") -> np.ndarray:
-    """The slice's code bytes -> int8 codes, the inverse of `pack_codes`."""
+    """Code bytes as sections -> int8 codes, the inverse of `pack_codes`."""
     if not wide(codec):
         q = _unpack_nibbles(b).astype(np.int8)
         return np.where(q > 7, q - 16, q).astype(np.int8)
@@ -395,20 +402,38 @@ def unpack_codes(b: np.ndarray, codec: str = "int4") -> np.ndarray:
     return (u.reshape(-1).astype(np.int16) - 63).astype(np.int8)
 
 
-def codes_bytes(slice_elems: int, codec: str = "int4") -> int:
-    """Bytes of a slice's code sections (the scales follow)."""
-    return slice_elems * 7 // 8 if wide(codec) else slice_elems // 2
+def _code_sections(codec: str) -> tuple[int, ...]:
+    """Bytes a chunk of each section of the code bytes (`pack_codes`): the nibbles, then
+    int7-h32's bits 4-5 and bit 6."""
+    return (256, 128, 64) if wide(codec) else (256,)
+
+
+def chunks(sections, n_elems: int) -> np.ndarray:
+    """Byte sections of ``n_elems`` elements (a multiple of `CHUNK`), each a whole number of bytes
+    a chunk -> the chunked layout: per chunk, its part of every section in order."""
+    k = n_elems // CHUNK
+    return np.concatenate([np.asarray(b, np.uint8).reshape(k, -1) for b in sections], axis=1).reshape(-1)
+
+
+def unchunk(wire: np.ndarray, n_elems: int, sizes) -> list[np.ndarray]:
+    """The inverse of `chunks`: ``sizes`` are each section's bytes a chunk."""
+    w = np.asarray(wire, np.uint8).reshape(n_elems // CHUNK, -1)
+    edges = np.cumsum([0, *sizes])
+    return [np.ascontiguousarray(w[:, a:b]).reshape(-1) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _scale_bytes(scale: np.ndarray, codec: str) -> np.ndarray:
+    if bf16_scales(codec):
+        return (scale.astype(_F32).view(np.uint32) >> 16).astype(_BF16_SCALE).view(np.uint8)
+    return scale.astype(SCALE_DTYPE).view(np.uint8)
 
 
 def write_wire(wire: np.ndarray, q: np.ndarray, scale: np.ndarray, codec: str = "int4") -> None:
     """Store one slice's codes ``q`` and scales (float32, already bfloat16 values for the rotated
     codecs) into its wire bytes ``wire``."""
-    n = codes_bytes(q.size, codec)
-    wire[:n] = pack_codes(q, codec)
-    if bf16_scales(codec):
-        wire[n:] = (scale.astype(_F32).view(np.uint32) >> 16).astype(_BF16_SCALE).view(np.uint8)
-    else:
-        wire[n:] = scale.astype(SCALE_DTYPE).view(np.uint8)
+    packed = pack_codes(q, codec)
+    cuts = np.cumsum([0, *_code_sections(codec)]) * (q.size // CHUNK)
+    wire[:] = chunks([packed[a:b] for a, b in zip(cuts[:-1], cuts[1:])] + [_scale_bytes(scale, codec)], q.size)
 
 
 def read_wire(wire: np.ndarray, slice_elems: int, group: int,
@@ -416,11 +441,11 @@ def read_wire(wire: np.ndarray, slice_elems: int, group: int,
     """The consecutive whole slices of ``wire`` -> (int8 codes, float32 scales), in order."""
     S, B = slice_elems, slice_bytes(slice_elems, group, codec)
     n = wire.size // B
-    w = wire[: n * B].reshape(n, B)
-    nc = codes_bytes(S, codec)
-    q = np.concatenate([unpack_codes(np.ascontiguousarray(row[:nc]), codec) for row in w]) if n else \
-        np.zeros(0, np.int8)
-    sc = np.ascontiguousarray(w[:, nc:]).reshape(-1)
+    sizes = _code_sections(codec)
+    parts = unchunk(wire[: n * B], n * S, [*sizes, B * CHUNK // S - sum(sizes)])
+    q = np.concatenate([unpack_codes(np.concatenate([p.reshape(n, -1)[i] for p in parts[:-1]]), codec)
+                        for i in range(n)]) if n else np.zeros(0, np.int8)
+    sc = parts[-1]
     if bf16_scales(codec):
         return q, (sc.view(_BF16_SCALE).astype(np.uint32) << 16).view(_F32)
     return q, sc.view(SCALE_DTYPE).astype(_F32)

@@ -27,18 +27,19 @@ def test_groups_and_slice_bytes():
 
 
 def test_wire_layout_bit_by_bit():
-    S = 512
+    S = 1024   # two chunks of 512 elements, 512 bytes each
     q = np.random.default_rng(0).integers(-63, 64, S).astype(np.int8)
-    scale = np.float32(2.0 ** np.arange(S // 16) * 0.75)
+    scale = np.float32(2.0 ** (np.arange(S // 16) % 64 - 20) * 0.75)
     wire = np.zeros(S, np.uint8)
     codec.write_wire(wire, q, scale, I7)
     u = q.astype(int) + 63
     for i in range(S):
-        j, odd = (i % 8) // 2, i % 2
-        assert (wire[i // 2] >> (4 * (i % 2))) & 0xF == u[i] & 0xF
-        assert (wire[S // 2 + 2 * (i // 8) + odd] >> (2 * j)) & 3 == (u[i] >> 4) & 3
-        assert (wire[S // 2 + S // 4 + i // 8] >> (j + 4 * odd)) & 1 == u[i] >> 6
-    sc = wire[S * 7 // 8:].view("<u2")
+        c, k = 512 * (i // 512), i % 512
+        j, odd = (k % 8) // 2, k % 2
+        assert (wire[c + k // 2] >> (4 * odd)) & 0xF == u[i] & 0xF
+        assert (wire[c + 256 + 2 * (k // 8) + odd] >> (2 * j)) & 3 == (u[i] >> 4) & 3
+        assert (wire[c + 384 + k // 8] >> (j + 4 * odd)) & 1 == u[i] >> 6
+    sc = np.ascontiguousarray(wire.reshape(2, 512)[:, 448:]).reshape(-1).view("<u2")
     assert np.array_equal((sc.astype(np.uint32) << 16).view(np.float32), scale)
     q2, s2 = codec.read_wire(wire, S, 16, I7)
     assert np.array_equal(q2, q) and np.array_equal(s2, scale)
