@@ -240,7 +240,7 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
         ue, S, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, G, kCodec, false>(
+                reduce_quantize_loop16<T, G, kCodec, false, G, kCodec, kWhole>(
                     RqArgs<T, T, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
                                            copy_off},
                     u_first, u_end, stride);
@@ -285,7 +285,7 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
         ue, S, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec>(
+                reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec, kWhole>(
                     RqArgs<T, T, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
