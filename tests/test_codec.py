@@ -57,6 +57,27 @@ def test_wire_layout_and_nibble_order():
     assert not np.any((w[:S // 2] & 0x0F) == 8) and not np.any((w[:S // 2] >> 4) == 8)
 
 
+@pytest.mark.parametrize("cd,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int4-h32", 32), ("int7-h32", 16)])
+def test_chunks_hold_their_codes_then_their_scales(cd, group):
+    """A slice is its 512-element chunks in order, each its codes' bytes (as `pack_codes` packs
+    those 512 codes) then its groups' scales; `read_wire` reads consecutive slices back."""
+    n = 3 * S                                             # three chunks a slice, two slices
+    rng = np.random.default_rng(group)
+    slices = [(rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20)).astype(np.float32) for _ in range(2)]
+    wires = [codec.encode(v, group, cd) for v in slices]
+    for v, w in zip(slices, wires):
+        q, scale = codec.quantize_groups(v, group, cd)
+        sbytes = ((scale.view(np.uint32) >> 16).astype("<u2") if cd != "int4" else scale.astype("<f4")).view(np.uint8)
+        per = sbytes.size // 3
+        want = np.concatenate([np.concatenate([codec.pack_codes(q[c * S:(c + 1) * S], cd), sbytes[c * per:(c + 1) * per]])
+                               for c in range(3)])
+        assert w.size == codec.slice_bytes(n, group, cd) and np.array_equal(w, want)
+    q2, s2 = codec.read_wire(np.concatenate(wires), n, group, cd)
+    qs = [codec.quantize_groups(v, group, cd) for v in slices]
+    assert np.array_equal(q2, np.concatenate([q for q, _ in qs]))
+    assert np.array_equal(s2, np.concatenate([sc for _, sc in qs]))
+
+
 def test_all_zero_group_is_exact():
     q, scale = codec.quantize_groups(np.zeros(64, np.float32), 32)
     assert np.all(q == 0) and np.all(scale == 0)
