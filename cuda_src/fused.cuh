@@ -169,7 +169,7 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
 // kernels the 8-element loop takes what is left: a ragged slice's last warps of units, or every
 // slice of an unaligned buffer (tail_first: a thread's first 8-element index >= t0 in tile j).
 template <typename T, typename ResT, int G>
-constexpr bool kLoop16 = Traits<T>::kBytes == 2 && IsSame<ResT, T>::v && G <= 32;
+constexpr bool kLoop16 = Traits<T>::kBytes == 2 && (IsSame<ResT, T>::v || IsI8<ResT>::v) && G <= 32;
 __device__ __forceinline__ i64 unit_first(i64 j, i64 ntiles) {
     return (j + (threadIdx.x >> 7) * ntiles) * (kChunk / 2) + (threadIdx.x & (kChunk / 2 - 1));
 }
@@ -240,8 +240,8 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
         ue, S, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, G, kCodec, false, G, kCodec, kWhole>(
-                    RqArgs<T, T, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
+                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole>(
+                    RqArgs<T, ResT, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
                                            copy_off},
                     u_first, u_end, stride);
         },
@@ -285,8 +285,8 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
         ue, S, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, G, kCodec, true, GIn, kInCodec, kWhole>(
-                    RqArgs<T, T, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
+                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole>(
+                    RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
         },

@@ -341,12 +341,13 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // the ring (g_ring) holds a unit's own input and residual. kEarly (the whole-slice kernels): the
 // owner issues its first incoming slice's loads at the step's start, in flight during the ring's wait
 // and the rotation (two ranks, one alone: 3-4% faster; the general kernels' owner spills with it).
-template <typename T, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec, bool kEarly = false>
-__device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float, T>& a, i64 u_first, i64 u_end,
+template <typename T, typename ResT, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec,
+          bool kEarly = false>
+__device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, float, T>& a, i64 u_first, i64 u_end,
                                                        i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
     const T* __restrict__ own = a.own;
-    T* __restrict__ residual = a.residual;
+    ResT* __restrict__ residual = a.residual;
     unsigned char* __restrict__ wire_out = a.wire_out;
     T* __restrict__ out_p = a.out_p;
     const i64 S = a.S;
@@ -356,7 +357,9 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
     using W = Wire<G, kCodec>;
     using WIn = Wire<GIn, kInCodec>;
     constexpr bool kRot = W::kRot;
-    static_assert(WIn::kRot == kRot && sizeof(T) == 2 && G <= 32 && GIn <= 32, "a 16-bit, one-domain owner");
+    constexpr bool kI8 = IsI8<ResT>::v;
+    static_assert(WIn::kRot == kRot && sizeof(T) == 2 && G <= 32 && GIn <= 32 && (kI8 || IsSame<ResT, T>::v),
+                  "a 16-bit, one-domain owner; residuals of its type or int8");
     const i64 in_slice_bytes = WIn::slice_bytes(S);
     const int nin = kOut || !kEarly ? (int)a.n_in : 0, opos = (int)a.own_pos;
     const bool has_res = residual != nullptr;
@@ -368,7 +371,10 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         if (uu < u_end) {   // whole warps
             uint4* r = warp_ring(slot);
             unit16_copy_async(r, own + ((uu - lane) << 4));
-            if (has_res) unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
+            if (has_res) {
+                if constexpr (kI8) res16_copy_async(r + 64, i8_run(residual, uu - lane));
+                else unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
+            }
         }
         cp_async_commit();
     };
@@ -422,12 +428,21 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
             add_terms(acc[1], own_v[1]);
         }
         if (has_res) {
-            unit16_read(r + 64, w0, w1);
-            float rv[8];
-            unpack8_16<T>(w0, rv);
-            add_terms(acc[0], rv);
-            unpack8_16<T>(w1, rv);
-            add_terms(acc[1], rv);
+            if constexpr (kI8) {
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    float rv[8];
+                    res16_unpack(r + 64, k, rv);
+                    add_terms(acc[k], rv);
+                }
+            } else {
+                unit16_read(r + 64, w0, w1);
+                float rv[8];
+                unpack8_16<T>(w0, rv);
+                add_terms(acc[0], rv);
+                unpack8_16<T>(w1, rv);
+                add_terms(acc[1], rv);
+            }
         }
 
         u32 amax = 0;
@@ -454,18 +469,25 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, T, float,
         if (has_res) {
             // residual = v - fl(q * scale), in the rotated domain; non-finite -> 0
             const bool plain = plain_residual<float>(amax, false);
-            uint4 rw[2];
+            if constexpr (kI8) {
+                res16_store(i8_run(residual, u - lane), [&](int i) {
+                    const float d = sub_rn(acc[i >> 3][i & 7], e[i >> 3][i & 7]);
+                    return plain || (finite && is_finite(d)) ? d : 0.0f;
+                });
+            } else {
+                uint4 rw[2];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                float d[8];
+                for (int k = 0; k < 2; ++k) {
+                    float d[8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    d[i] = sub_rn(acc[k][i], e[k][i]);
-                    if (!plain) d[i] = (finite && is_finite(d[i])) ? d[i] : 0.0f;
+                    for (int i = 0; i < 8; ++i) {
+                        d[i] = sub_rn(acc[k][i], e[k][i]);
+                        if (!plain) d[i] = (finite && is_finite(d[i])) ? d[i] : 0.0f;
+                    }
+                    pack8f<T>(d, &rw[k]);
                 }
-                pack8f<T>(d, &rw[k]);
+                unit16_store(r + 64, residual + ((u - lane) << 4), rw[0], rw[1]);
             }
-            unit16_store(r + 64, residual + ((u - lane) << 4), rw[0], rw[1]);
         }
         if constexpr (!kOut) continue;
         // The owner's own slice of the output: e rotated back (dequantize_body's bits).

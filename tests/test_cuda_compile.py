@@ -136,8 +136,8 @@ def test_arithmetic_ignores_ftz_and_fast_math(ptx):
     exact, loose = ptx
     assert exact == loose
     assert ".ftz" not in exact
-    # The only fma is codec_base.cuh's explicit fma_rn (products by +-1, exact); a contracted one
-    # would make exact and loose differ.
+    # The only fma is codec_base.cuh's explicit fma_rn (products by +-1 or a power of two, exact);
+    # a contracted one would make exact and loose differ.
     assert not re.search(r"\bfma\.(?!rn\.f32\s)", exact)
     assert "div.rn.f32" in exact and "div.approx" not in exact
 
