@@ -5,7 +5,7 @@
     python tools/stall_profile.py --lib fb/pcsampling.so --cupti $CUPTI/lib \\
         [--codecs int4 int4-h32] [--match in=bfloat16] [--period 9] [--iters 20] [--json F]
     python tools/stall_profile.py --lib ... --cupti ... --fused [--ranks 2] [--sizes 16M 1G]
-        [--kernels whole] [--codec C] [--json F]
+        [--kernels whole] [--codec C] [--residual input|float32|int8] [--json F]
     python tools/stall_profile.py --annotate F --sass K.sass      # no GPU
 
 ($CUPTI: the nvidia-cuda-cupti wheel's nvidia/cu13, unzipped.) The kernels are
@@ -211,6 +211,8 @@ def main(argv=None):
     p.add_argument("--sizes", nargs="+", default=["16M", "1G"], help="--fused: bytes of bf16 input")
     p.add_argument("--kernels", nargs="+", default=["whole"], help="--fused: fused_solo's kernels")
     p.add_argument("--codec", default=None, help="--fused: the codec (default: the default codec)")
+    p.add_argument("--residual", default="input", choices=("input", "float32", "int8"),
+                   help="--fused: the residuals' format (Feedback(residual_dtype=))")
     p.add_argument("--period", type=int, default=9, help="a sample every 2^period cycles per SM")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=12, help="hottest PCs listed per case")
@@ -248,7 +250,7 @@ def main(argv=None):
                 dump["cases"].append(report(name, reasons, *got, a.top))
 
         fused_solo.run_solo(a.ranks, [parse_size(s) for s in a.sizes], a.kernels, a.codec or codec.DEFAULT_CODEC,
-                            iters=a.iters, reps=1, observe=observe)
+                            a.residual, iters=a.iters, reps=1, observe=observe)
     else:
         import kernel_bench
 
