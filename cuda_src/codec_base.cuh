@@ -526,8 +526,9 @@ __device__ __forceinline__ void stage_wait_block(const uint4* stage, uint4 (&v)[
 // registers; docs/notes/fused.md, "The levers"; 3 or 4 steps ahead were no faster). A thread reads only the
 // slots it filled, so no barrier is needed; the loop waits for all its copies before it returns
 // (a later phase of the block reuses the ring). The 16-element loops (reduce_quantize_loop16) keep
-// a warp's 32 units of own input and residual (2 KiB) in its part of a slot, the lanes reading each
-// other's copies after a __syncwarp (below); the 8-element loops 32 bytes a thread. The 16-element
+// a warp's 32 units of own input and residual (2 KiB; 1.5 with int8 residuals) in its part of a
+// slot, the lanes reading each other's copies after a __syncwarp (below); the 8-element loops 32
+// bytes a thread. The 16-element
 // decode (dequantize_loop16) stages its stores in slot 0 and copies its wire ahead into slot 1.
 constexpr int kRingDepth = 2;
 constexpr int kRingParts = 4;

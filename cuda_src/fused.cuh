@@ -161,10 +161,10 @@ __device__ __forceinline__ long long next_item(Ctl* ctl, long long* s_item) {
     return *s_item;
 }
 
-// With 16-bit data and residuals the phases run 16 elements a thread (reduce_quantize_loop16,
-// dequantize_loop16; the owner only with a float32 ref) where the slice lies whole in aligned
-// buffers: one cross-lane rotation stage instead of two, one thread an int7-h32 group (one rank
-// alone, P = 2, 1 GiB: 10% faster than 8 a thread; docs/notes/fused.md). The block's halves take
+// With 16-bit data and residuals of the data's type or int8 the phases run 16 elements a thread
+// (reduce_quantize_loop16, dequantize_loop16; the owner only with a float32 ref) where the slice
+// lies whole in aligned buffers: one cross-lane rotation stage instead of two, one thread an
+// int7-h32 group (one rank alone, P = 2, 1 GiB: 10% faster than 8 a thread; docs/notes/fused.md). The block's halves take
 // the tile's chunks two at a time (unit_first: a thread's first unit of tile j). In the general
 // kernels the 8-element loop takes what is left: a ragged slice's last warps of units, or every
 // slice of an unaligned buffer (tail_first: a thread's first 8-element index >= t0 in tile j).

@@ -329,7 +329,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     if constexpr (kRing) cp_async_wait<0>();
 }
 
-// reduce_quantize_loop for the fused kernels (kBatch = 1; 16-bit input and residual; a float32 ref,
+// reduce_quantize_loop for the fused kernels (kBatch = 1; 16-bit input, residuals of its type or int8; a float32 ref,
 // no base) with 16 elements a thread: unit u holds elements 16u .. 16u + 15,
 // the half u & 1 of a 32-element rotation block, so the rotation's stage h = 8 stays inside the
 // thread and only h = 16 crosses lanes (lane ^ 1), and an int7-h32 group of 16 is one thread (no
