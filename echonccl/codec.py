@@ -443,8 +443,7 @@ def read_wire(wire: np.ndarray, slice_elems: int, group: int,
     n = wire.size // B
     sizes = _code_sections(codec)
     parts = unchunk(wire[: n * B], n * S, [*sizes, B * CHUNK // S - sum(sizes)])
-    q = np.concatenate([unpack_codes(np.concatenate([p.reshape(n, -1)[i] for p in parts[:-1]]), codec)
-                        for i in range(n)]) if n else np.zeros(0, np.int8)
+    q = unpack_codes(np.concatenate(parts[:-1]), codec)   # the n slices' sections: one run of n S codes
     sc = parts[-1]
     if bf16_scales(codec):
         return q, (sc.view(_BF16_SCALE).astype(np.uint32) << 16).view(_F32)
