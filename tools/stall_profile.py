@@ -198,6 +198,8 @@ def report(name: str, reasons, funcs, off, counts, totals, top: int) -> dict:
 
 
 def main(argv=None):
+    from echonccl.codec import RESIDUAL_FORMATS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lib", help="pcsampling.so built from tools/pcsampling.c")
     p.add_argument("--cupti", help="directory holding libcupti.so.13")
@@ -211,7 +213,7 @@ def main(argv=None):
     p.add_argument("--sizes", nargs="+", default=["16M", "1G"], help="--fused: bytes of bf16 input")
     p.add_argument("--kernels", nargs="+", default=["whole"], help="--fused: fused_solo's kernels")
     p.add_argument("--codec", default=None, help="--fused: the codec (default: the default codec)")
-    p.add_argument("--residual", default="input", choices=("input", "float32", "int8"),
+    p.add_argument("--residual", default="input", choices=RESIDUAL_FORMATS,
                    help="--fused: the residuals' format (Feedback(residual_dtype=))")
     p.add_argument("--period", type=int, default=9, help="a sample every 2^period cycles per SM")
     p.add_argument("--iters", type=int, default=20)
