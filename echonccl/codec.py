@@ -176,7 +176,10 @@ mantissas ``m`` (element order) then 16 exponent bytes ``x``, one per block of
 
 and read back as ``fl(max(m_i, -127) * 2**(min(max(x, 7), 254) - 133))`` (exact
 and finite for any bytes: |m| < 2**7 and the power of two is a normal float32;
-bytes that were never written, all zero, read as zeros). Every element is kept
+all-zero bytes read as zeros too). Zeroed residuals (`clear_residuals`: a new
+state, `Feedback.reset`) are stored as the encoder stores a zero block (x = 7),
+so that the blocks no call writes (past an all-reduce's count, `Layout.extent`)
+hold the same bytes in every engine. Every element is kept
 to 1/256 of its block's largest magnitude (1/128 at worst): a residual is at
 most about half a quantization step, so what the format drops is some 1/300 of
 one call's quantization error, at a quarter of float32's bytes.
@@ -497,6 +500,14 @@ def residual_size(n: int, dtype) -> int:
     if n % RES_SUPER:
         raise ValueError(f"{n} residuals in the int8 format: not a multiple of {RES_SUPER}")
     return n // RES_SUPER * RES_SUPER_BYTES
+
+
+def clear_residuals(r) -> None:
+    """Set residual array ``r`` (numpy or cupy, any storage format) to zeros as the encoder
+    stores them: all bytes zero, but the int8 format's exponent bytes 7 (`encode_residuals`)."""
+    r.fill(0)
+    if r.dtype == np.uint8:
+        r.reshape(-1, RES_SUPER_BYTES)[:, RES_SUPER:] = 7
 
 
 def residual_span(r, lo: int, hi: int):

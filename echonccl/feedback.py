@@ -104,6 +104,7 @@ class Feedback:
             dt = wire.residual_dtype(self.residual_dtype, input_dtype)
             self.residuals = Residuals(zeros(wire.residual_size(layout.padded, dt), dt),
                                        zeros(wire.residual_size(layout.slice_elems, dt), dt), self.rounding)
+            self.reset()
             self.key = key
             self.codec = codec
         return self.residuals
@@ -120,10 +121,10 @@ class Feedback:
                                 f"{codec!r}: use one Feedback per codec")
 
     def reset(self) -> None:
-        """Zero the residuals in place (their buffers are kept)."""
+        """Zero the residuals in place (their buffers are kept; `codec.clear_residuals`)."""
         if self.residuals is not None:
-            self.residuals.inputs.fill(0)
-            self.residuals.output.fill(0)
+            wire.clear_residuals(self.residuals.inputs)
+            wire.clear_residuals(self.residuals.output)
 
     def state_dict(self) -> dict:
         """A checkpoint: plain numpy copies of the residuals and the binding key."""

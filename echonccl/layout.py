@@ -70,6 +70,15 @@ class Layout:
         lo = min(s * self.slice_elems, self.count)
         return lo, min(lo + self.slice_elems, self.count)
 
+    def extent(self, s: int) -> int:
+        """Elements of slice ``s`` that a call works on: its valid ones (`bounds`) rounded up to a
+        multiple of `codec.SLICE_QUANTUM`, at most ``slice_elems``. Every group lies inside one such
+        block, so the blocks past it hold zeros: their codes are zeros and their residuals stay as
+        a new state holds them (the fused kernels never touch them; the other paths write zeros)."""
+        lo, hi = self.bounds(s)
+        q = wire.SLICE_QUANTUM
+        return min(self.slice_elems, -(-(hi - lo) // q) * q)
+
     def wire_slot(self, s: int) -> slice:
         return slice(s * self.slice_bytes, (s + 1) * self.slice_bytes)
 

@@ -322,6 +322,37 @@ def test_ring_equals_two_shot_at_two_ranks(c, residual_dtype):
     assert results["two_shot"] == results["ring"]
 
 
+@pytest.mark.parametrize("algo", ["two_shot", "ring", "one_shot_q"])
+@pytest.mark.parametrize("residual_dtype", ["float32", "input", "int8"])
+@pytest.mark.parametrize("cd", codec.CODECS)
+def test_blocks_past_the_count_keep_a_new_states_bytes(cd, residual_dtype, algo):
+    """The schedules leave every residual block past a slice's extent (`Layout.extent`) as a new
+    state holds it, byte for byte, with feedback and rounds: what lets the fused kernels skip those
+    blocks and still equal the reference. Counts whose last slices end inside a 512-element block,
+    on one, or hold nothing at all (4 ranks of 5 * 512 elements)."""
+    P, dt = 4, "bfloat16"
+    for n in (5 * 512, 5 * 512 + 100, 9 * 512 - 32):
+        layout = Layout(n, P, cd)
+        S, G = layout.slice_elems, layout.group
+        key = (n, P, G, dt)
+        fbs = [Feedback(residual_dtype, rounding=False) for _ in range(P)]
+        states = [fb.bind(key, layout, dtypes.numpy_dtype(dt), np.zeros, cd) for fb in fbs]
+        fresh = Feedback(residual_dtype).bind(key, layout, dtypes.numpy_dtype(dt), np.zeros, cd)
+        c = {"P": P, "n": n, "dtype": dt, "exp": 0, "seed": 5}
+        past = [(v * S + layout.extent(v), (v + 1) * S) for v in range(P)]
+        assert any(lo < hi for lo, hi in past), n
+        for t, rounds in enumerate((1, 2, 1)):
+            simulate(algo, make_inputs(c, t), G, states, rounds, cd)
+        for r, st_ in enumerate(states):
+            for lo, hi in past:
+                span = codec.residual_span(st_.inputs, lo, hi)
+                assert span.tobytes() == codec.residual_span(fresh.inputs, lo, hi).tobytes(), (n, r, lo, hi)
+            lo = layout.extent(r)
+            assert (codec.residual_span(st_.output, lo, S).tobytes()
+                    == codec.residual_span(fresh.output, lo, S).tobytes()), (n, r)
+            assert codec.load_residuals(st_.inputs).any(), "no feedback: the test would prove nothing"
+
+
 # -- across MPI ranks -----------------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
