@@ -39,9 +39,12 @@
 // so CUDA-graph replays count calls too). A wait that exceeds timeout_ns sets ctl->error
 // and gives up (the host raises PeerTimeoutError; the output is then undefined).
 // Each kernel runs one codec loop per phase: the general one (bounds tested per load and store),
-// or, in the whole-slice kernels (the host's choice when x and out hold P * S elements, all
-// 16-byte aligned, in round 1), the loop for slices that lie whole in aligned buffers. Both loops
-// in one phase made ptxas spill twice as much, and the kernel ran 5-25% slower on two H200s.
+// or, in the whole-slice kernels (the host's choice when x and out hold the same count, a multiple
+// of 512, all 16-byte aligned, in round 1), the loop for slices whose valid elements lie whole in
+// aligned buffers. Both loops in one phase made ptxas spill twice as much, and the kernel ran 5-25%
+// slower on two H200s. The whole-slice kernels leave a slice's 512-element blocks past the count
+// alone (their wire bytes stale, their residuals as a new state holds them), and so does every
+// owner, which may read such stale blocks from a peer running a whole-slice kernel (slice_extent).
 //
 // Which kernels exist is echonccl/kernel_table.py's to say: it generates the source that uses
 // the ECHO_*_KERNEL macros at the end of this file, one line a kernel.
@@ -175,6 +178,17 @@ __device__ __forceinline__ i64 unit_first(i64 j, i64 ntiles) {
 }
 // The units of a slice of S elements that lie whole in n valid ones, in whole warps (32 units).
 __device__ __forceinline__ i64 whole_units(i64 n, i64 S) { return ((n < S ? n : S) >> 9) << 5; }
+// The valid elements of slice s of `count`, and the elements a slice with n valid ones is worked
+// on up to: n rounded up to 512 (no group spans two such blocks), at most S. The reference makes
+// zero codes and zero residuals (codec.clear_residuals' bytes) of the blocks past it.
+__device__ __forceinline__ i64 slice_valid(i64 count, i64 s, i64 S) {
+    const i64 n = count - s * S;
+    return n <= 0 ? 0 : (n < S ? n : S);
+}
+__device__ __forceinline__ i64 slice_extent(i64 n, i64 S) {
+    const i64 e = ((n + 511) >> 9) << 9;
+    return e < S ? e : S;
+}
 __device__ __forceinline__ i64 tail_first(i64 j, i64 ntiles, i64 t0) {
     const i64 t = j * kChunk + threadIdx.x, step = ntiles * kChunk;
     return t >= t0 ? t : t + (t0 - t + step - 1) / step * step;
@@ -207,16 +221,17 @@ __device__ __forceinline__ void loop8(const RqArgs<T, ResT, RefT, OutT>& a, i64 
 
 // Tile j of a phase: f16(u_first, ue) on its units below ue (the 16-element loop; none if ue is 0),
 // then, where the phase has the 8-element loop too (kTail), f8(t_first) on its 8-element threads
-// from 2 ue on, if the tile holds any (after a barrier where both loops ran: they use the ring
-// differently, kSync).
-template <bool kTail, bool kSync, typename F16, typename F8>
-__device__ __forceinline__ void split_tile(i64 ue, i64 S, i64 j, i64 ntiles, const F16& f16, const F8& f8) {
+// from 2 ue to t_end() (found after f16: no value held across it), if the tile holds any (after a
+// barrier where both loops ran: they use the ring differently, kSync); f8(t_first, t_end).
+template <bool kTail, bool kSync, typename F16, typename TEnd, typename F8>
+__device__ __forceinline__ void split_tile(i64 ue, i64 j, i64 ntiles, const F16& f16, const TEnd& t_end_of,
+                                           const F8& f8) {
     if (ue > 0) f16(unit_first(j, ntiles), ue);
     if constexpr (kTail) {
-        const i64 t0 = 2 * ue;
-        if (t0 < (S >> 3) && tile_has_tail(j, ntiles, t0, S >> 3)) {
+        const i64 t0 = 2 * ue, t_end = t_end_of();
+        if (t0 < t_end && tile_has_tail(j, ntiles, t0, t_end)) {
             if (kSync && t0 > 0) __syncthreads();
-            f8(tail_first(j, ntiles, t0));
+            f8(tail_first(j, ntiles, t0), t_end);
         }
     }
 }
@@ -226,18 +241,19 @@ __device__ __forceinline__ void split_tile(i64 ue, i64 S, i64 j, i64 ntiles, con
 // own slice of the output as it makes the codes, and reduces its incoming slices one at a time
 // (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
 // Each works on tile j of T: 8-element threads j * 256 + threadIdx.x, stepping by T * 256 (the
-// 16-element loops: unit_first). kWhole: the slice lies whole in 16-byte aligned buffers
-// (reduce_quantize_loop's and dequantize_loop's kFull). contribute_tile: a contribution's tile,
-// phase_contribute's and phase_push's body (k16: the 16-element loop where it applies).
+// 16-element loops: unit_first). kWhole: the slice's valid elements, a multiple of 512, lie whole in
+// 16-byte aligned buffers (reduce_quantize_loop's and dequantize_loop's kFull), and only they are
+// worked on. contribute_tile: a contribution's tile, phase_contribute's and phase_push's body (k16:
+// the 16-element loop where it applies); in a whole-slice kernel own_n is the slice's valid count.
 template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16>
 __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                                 i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
-        ue = kWhole ? S >> 4 : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
+        ue = kWhole ? own_n >> 4 : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
-        ue, S, j, ntiles,
+        ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
                 reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole>(
@@ -245,10 +261,11 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
                                            copy_off},
                     u_first, u_end, stride);
         },
-        [&](i64 t_first) {
+        [&] { return (kWhole ? own_n : S) >> 3; },
+        [&](i64 t_first, i64 t_end) {
             loop8<k16, false, G, kCodec, G, kCodec, kWhole>(
                 RqArgs<T, ResT, float>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies, copy_off},
-                t_first, S >> 3, stride);
+                t_first, t_end, stride);
         });
 }
 template <typename T, typename ResT, int G, int kCodec, bool kWhole>
@@ -278,11 +295,11 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
-        ue = kWhole ? S >> 4
+        ue = kWhole ? out_n >> 4
                     : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
                            ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
-        ue, S, j, ntiles,
+        ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
                 reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole>(
@@ -290,28 +307,29 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
         },
-        [&](i64 t_first) {
+        [&] { return slice_extent(out_n, S) >> 3; },   // a peer's whole-slice kernel wrote no further
+        [&](i64 t_first, i64 t_end) {
             loop8<k16, true, G, kCodec, GIn, kInCodec, kWhole>(
                 RqArgs<T, ResT, RefT, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, kRef32 ? nullptr : base,
                                          kRef32 ? 0 : base_n, copies, ncopies, copy_off, out, out_n},
-                t_first, S >> 3, stride);
+                t_first, t_end, stride);
         });
 }
-// The 8-element decode over threads [t_first, S / 8): inlined where it is the phase's only loop, a call
+// The 8-element decode over threads [t_first, t_end): inlined where it is the phase's only loop, a call
 // after the 16-element one. kAdd: `accumulate` may be set (a refinement round's kernel; not with a
 // float32 ref): without it the adding loops are not compiled in.
 template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
 __device__ __forceinline__ void decode8_body(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
-                                             i64 t_first, i64 stride, int accumulate) {
+                                             i64 t_first, i64 t_end, i64 stride, int accumulate) {
     if (kAdd && accumulate)
-        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, S >> 3, stride);
+        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, t_end, stride);
     else
-        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, S >> 3, stride);
+        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, t_end, stride);
 }
 template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
 __device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice, i64 t_first,
-                                          i64 stride, int accumulate) {
-    decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, stride, accumulate);
+                                          i64 t_end, i64 stride, int accumulate) {
+    decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, t_end, stride, accumulate);
 }
 template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
 __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
@@ -319,38 +337,43 @@ __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64
     constexpr bool k16 = kLoop16<T, T, G>;
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
-    if constexpr (k16) ue = kWhole ? S >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
+    if constexpr (k16)
+        ue = kWhole ? slice_valid(count, slice, S) >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
     split_tile<!(kWhole && k16), false>(   // (dequantize_loop: no ring)
-        ue, S, j, ntiles,
+        ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
                 if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
                 else dequantize_loop16<T, G, false, kCodec>(wire, out, S, slice, u_first, u_end, stride);
             }
         },
-        [&](i64 t_first) {
+        [&] { return (kWhole ? slice_valid(count, slice, S) : S) >> 3; },
+        [&](i64 t_first, i64 t_end) {
             if constexpr (k16)
-                decode8_call<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, stride, accumulate);
-            else decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, stride, accumulate);
+                decode8_call<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, t_end, stride, accumulate);
+            else
+                decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, t_end, stride,
+                                                         accumulate);
         });
 }
 
 template <typename T, int G, int kCodec, bool kWhole>
 __device__ __noinline__ void phase_decode_sum(const Terms& terms, T* out, i64 count, i64 S, i64 slice, i64 j,
                                               i64 ntiles, int accumulate) {
+    const i64 t_end = (kWhole ? slice_valid(count, slice, S) : S) >> 3;
     if (accumulate)
         dequantize_sum_loop<T, G, true, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
-                                                             S >> 3, ntiles * kChunk);
+                                                             t_end, ntiles * kChunk);
     else
         dequantize_sum_loop<T, G, false, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
-                                                              S >> 3, ntiles * kChunk);
+                                                              t_end, ntiles * kChunk);
 }
 
 // The fused two-shot all-reduce. x: this rank's input, x_n elements (0 in a refinement
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
-// at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count == P * S, and
-// x, out and the residuals 16-byte aligned (the host's choice; see phase_contribute). kRef32: the
+// at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count, a multiple of
+// 512, and x, out and the residuals 16-byte aligned (the host's choice; see contribute_tile). kRef32: the
 // owner's ref in float32 (phase_reduce; echonccl Feedback(rounding=False)), never with
 // accumulate (a refinement round runs the kernel without it). One owner phase per kernel: both
 // in one, picked at run time, made the kernel 7-35% slower on one H200 (more spills).

@@ -24,6 +24,7 @@ import ctypes
 import os
 
 from . import cuda_driver, dtypes, kernel_loader
+from .codec import SLICE_QUANTUM
 from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
@@ -50,13 +51,16 @@ def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
 
 
 def _whole_slices(layout, x, out, state) -> bool:
-    """True when every rank's slice lies whole in ``x``, ``out`` and the residuals, 16-byte aligned:
-    what the ``_whole`` fused kernels assume."""
+    """True when ``x`` and ``out`` hold the layout's count, a multiple of `codec.SLICE_QUANTUM` (512:
+    every slice's valid part whole blocks of it), and they and the residuals are 16-byte aligned:
+    what the ``_whole`` fused kernels assume (the blocks past the count they leave alone, as every
+    fused kernel does)."""
     S, P = layout.slice_elems, layout.nranks
     ptrs = [x.data.ptr, out.data.ptr]
     if state is not None and state.inputs.dtype.itemsize != 1:   # int8 blocks: aligned by format
         ptrs += [state.inputs.data.ptr + s * S * state.inputs.itemsize for s in range(P)] + [state.output.data.ptr]
-    return x.size == out.size == P * S and not any(p & 15 for p in ptrs)
+    return (x.size == out.size == layout.count and layout.count % SLICE_QUANTUM == 0
+            and not any(p & 15 for p in ptrs))
 
 
 class _Launch:

@@ -122,8 +122,9 @@ class _Buf:
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
-    """The `_whole` fused kernel (no bounds tests) is chosen only when x and out hold P * S
-    elements and every buffer, each rank's input residuals included, is 16-byte aligned."""
+    """The `_whole` fused kernel (no bounds tests) is chosen only when x and out hold the count, a
+    multiple of 512 (the last slices may end early or be empty), and every buffer, each rank's
+    input residuals included, is 16-byte aligned."""
     from types import SimpleNamespace
 
     from echonccl.layout import Layout
@@ -134,6 +135,13 @@ def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
     x, out = _Buf(P * S, 3 << 20), _Buf(P * S, 4 << 20)
     assert fused._whole_slices(L, x, out, res) and fused._whole_slices(L, x, x, None)
     assert not fused._whole_slices(Layout(P * 4096 - 1, P), _Buf(P * 4096 - 1, 3 << 20), out, res)
+    for n in (P * 4096 - 512, 512):                       # ragged, or all in slice 0
+        Ln = Layout(n, P, "int4-h32")
+        assert Ln.slice_elems == (S if n > 512 else 512)
+        assert fused._whole_slices(Ln, _Buf(n, 3 << 20), _Buf(n, 4 << 20), None)
+        assert not fused._whole_slices(Ln, _Buf(n, 3 << 20), _Buf(P * S, 4 << 20), None)
+    for n in (P * 4096 - 256, P * 4096 + 16):
+        assert not fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, 4 << 20), None)
     assert not fused._whole_slices(L, _Buf(P * S, (3 << 20) + 8), out, res)
     assert not fused._whole_slices(L, x, _Buf(P * S, (4 << 20) + 2), res)
     odd = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 4), output=res.output)

@@ -388,9 +388,12 @@ def check_fused_reference():
     in turn) against the CPU reference directly,
     without NCCL (so ranks may share a GPU: their IPC-mapped buffers work the same; their kernels
     take turns): outputs and both residuals bit for bit, every codec, every dtype and residual
-    dtype, rounds 1 and 2, sizes that run the general kernel and two (slices whole) that run the
+    dtype, rounds 1 and 2, sizes that run the general kernel and those (multiples of 512) that run the
     `_whole` one: 3 * 2^15, and 5 * 2^12, whose slices end inside a 2048-element chunk at 4 and 8
-    ranks; the one-shot equals the float32 sum in rank order rounded once."""
+    ranks, 37 * 512 (the last slice ends early) and 3 * 512 (at 4 and 8 ranks, slices with nothing);
+    at 37 * 512 rank 0's buffers are one element off 16-byte alignment, so rank 0 runs the general
+    kernel and its peers the whole one, which must agree on what they leave alone past the count;
+    the one-shot equals the float32 sum in rank order rounded once."""
     import cupy
 
     from echonccl import fused as fz
@@ -406,7 +409,15 @@ def check_fused_reference():
 
     # every codec
     runs = [(c, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
-             (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12)) for c in CODECS]
+             (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12, 37 * 512, 3 * 512)) for c in CODECS]
+    mixed = 37 * 512
+
+    def engine_array(x, off):
+        """``x`` on the device, ``off`` elements into a larger buffer (off 1: misaligned)."""
+        a = cupy.empty(x.size + off, dtype=x.dtype)[off:]
+        a[...] = to_engine(x)
+        return a
+
     for codec_name, dts, rdts, sizes in runs:
         ref = echonccl.Communicator(engine="cpu", codec=codec_name)
         for dt in dts:
@@ -421,9 +432,10 @@ def check_fused_reference():
                         x = call_data(n, dt, t)
                         rounds = 2 if t == 2 else 1
                         yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=rounds)
-                        xg = to_engine(x)
-                        out = cupy.empty_like(xg)
-                        assert fz._whole_slices(L, xg, out, state) == (n in (3 << 15, 5 << 12)), n
+                        off = 1 if n == mixed and RANK == 0 else 0
+                        xg = engine_array(x, off)
+                        out = engine_array(np.zeros_like(x), off)
+                        assert fz._whole_slices(L, xg, out, state) == (n % 512 == 0 and not off), n
                         run(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
                         what = f"fused {algo} rounding={rounding} {codec_name} {dt} res={rdt} n={n} call={t}"
