@@ -71,10 +71,11 @@ class Layout:
         return lo, min(lo + self.slice_elems, self.count)
 
     def extent(self, s: int) -> int:
-        """Elements of slice ``s`` that a call works on: its valid ones (`bounds`) rounded up to a
+        """Elements of slice ``s`` an all-reduce must work on: its valid ones (`bounds`) rounded up to a
         multiple of `codec.SLICE_QUANTUM`, at most ``slice_elems``. Every group lies inside one such
-        block, so the blocks past it hold zeros: their codes are zeros and their residuals stay as
-        a new state holds them (the fused kernels never touch them; the other paths write zeros)."""
+        block, so the blocks past it hold zeros: the reference makes zero codes of them and leaves
+        their residuals as a new state holds them (`codec.clear_residuals`), which is why the fused
+        whole-slice kernels and every fused owner may skip them."""
         lo, hi = self.bounds(s)
         q = wire.SLICE_QUANTUM
         return min(self.slice_elems, -(-(hi - lo) // q) * q)
