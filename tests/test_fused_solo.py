@@ -490,6 +490,16 @@ def test_run_solo_codecs_and_residuals_on_an_emulated_gpu(emulated_gpu, cd, rdt,
     assert all(c.check == "ok" and c.whole == c.kernel.endswith("whole") for c in res[(3, 2 * 3 * 4096)].values())
 
 
+def test_offset_buffers_take_the_general_kernels(emulated_gpu):
+    """``offset=1`` (``--offset 1``): input and output one element past an aligned address, so every
+    kernel runs its general form, and its first call is still the reference."""
+    res = fused_solo.run_solo([2, 3], [2 * 3 * 4096], iters=2, reps=1, offset=1)
+    cases = [c for cs in res.values() for c in cs.values()]
+    assert len(cases) == 8 and all(c.fits and c.check == "ok" and not c.whole for c in cases)
+    aligned = fused_solo.run_solo([2], [2 * 3 * 4096], kernels=["whole"], iters=2, reps=1)
+    assert aligned[(2, 2 * 3 * 4096)]["whole"].whole
+
+
 def test_run_solo_stops_when_a_wait_is_not_armed(emulated_gpu, monkeypatch):
     monkeypatch.setattr(fused_solo, "armed_range", lambda P, mt: (P * mt, 0, P * mt))   # no gather flags
     with pytest.raises(fused_solo.PeerTimeout, match="gave up waiting"):

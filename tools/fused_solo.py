@@ -4,7 +4,7 @@ peer buffers filled as its peers would have left them: a lower bound of the P-GP
 
     python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
         [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
-        [--grid N] [--tiles N] [--max-bytes 4G] [--timeout 10] [--phases] [-G]
+        [--grid N] [--tiles N] [--offset N] [--max-bytes 4G] [--timeout 10] [--phases] [-G]
     python tools/fused_bench.py --solo [the same options]
 
 One process, no MPI peers, no MPS: the MPS proxy (`tools/fused_bench.py` under
@@ -377,12 +377,14 @@ def phase_firsts(P: int, T: int) -> dict:
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
-             phases=False, graph=False, tiles=0, observe=None) -> dict:
+             phases=False, graph=False, tiles=0, observe=None, offset=0) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
     each two-shot kernel is also timed from its first owner item and from its first decode item
     (`_Solo.arm`'s ticket; ``Case.later``); ``graph``: each kernel also replayed in a CUDA graph
-    (`_Solo.time_graph_us`; ``Case.graph``); ``tiles``: `FusedPaths.tiles`. ``observe(P, nbytes, kernel,
+    (`_Solo.time_graph_us`; ``Case.graph``); ``tiles``: `FusedPaths.tiles`; ``offset``: the input and
+    the output start that many elements past a 256-byte boundary (1: off 16-byte alignment, so the
+    general kernels run). ``observe(P, nbytes, kernel,
     launch, starts)``, after each kernel's timed reps: ``launch(first)`` enqueues one armed call on the
     current stream, from work item ``first`` on (-1: the whole call), ``starts`` names the firsts
     (``"all"``: -1; two-shot kernels also ``"owner"`` and ``"decode"``, as ``phases`` times them)."""
@@ -410,7 +412,10 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
             data = peer_data(k, layout, lambda r: cp.random.default_rng(r).standard_normal(n, dtype=cp.float32)
                              .astype(bf16), state.inputs.dtype, state.owner_ref(bf16, False), cp)
             x = data.x0
-            out, want = cp.empty_like(x), {}
+            if offset:
+                x = cp.empty(n + offset, dtype=bf16)[offset:]
+                x[...] = data.x0
+            out, want = cp.empty(n + offset, dtype=bf16)[offset:], {}
             for family in {FAMILY[kn] for kn in kernels}:
                 want[family] = cp.empty_like(x)
                 expected(k, layout, data, family, want[family])
@@ -590,6 +595,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--grid", type=int, default=0, help="blocks per launch (0: the whole GPU's)")
     p.add_argument("--tiles", type=int, default=0, help="most tiles per slice (0: the default)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="elements by which input and output start past an aligned address (1: misaligned buffers)")
     p.add_argument("--max-bytes", default=None, help="largest region (default: the communicator's, 4G)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a wait may spin before giving up")
     p.add_argument("--phases", action="store_true",
@@ -641,7 +648,7 @@ def main(argv=None) -> int:
 
     try:
         run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
-                 a.timeout, max_bytes, report, a.phases, a.graph, a.tiles)
+                 a.timeout, max_bytes, report, a.phases, a.graph, a.tiles, offset=a.offset)
     except PeerTimeout as exc:
         print(exc, file=sys.stderr)
         return 2
