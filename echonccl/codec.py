@@ -205,6 +205,7 @@ RESIDUAL_FORMATS = ("float32", "input", "int8")
 RES_BLOCK = 32              # elements per exponent byte of the int8 residual format
 RES_SUPER = 512             # elements per (mantissas, exponents) record of it
 RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
+RES_MIN_EXP = 7             # the least exponent byte x the encoder writes (that of a zero block)
 
 _F32 = np.float32
 _MIN_SCALE = np.float32(2.0 ** -149)
@@ -504,10 +505,10 @@ def residual_size(n: int, dtype) -> int:
 
 def clear_residuals(r) -> None:
     """Set residual array ``r`` (numpy or cupy, any storage format) to zeros as the encoder
-    stores them: all bytes zero, but the int8 format's exponent bytes 7 (`encode_residuals`)."""
+    stores them: all bytes zero, but the int8 format's exponent bytes `RES_MIN_EXP` (`encode_residuals`)."""
     r.fill(0)
     if r.dtype == np.uint8:
-        r.reshape(-1, RES_SUPER_BYTES)[:, RES_SUPER:] = 7
+        r.reshape(-1, RES_SUPER_BYTES)[:, RES_SUPER:] = RES_MIN_EXP
 
 
 def residual_span(r, lo: int, hi: int):
@@ -523,14 +524,14 @@ def load_residuals(r: np.ndarray) -> np.ndarray:
         return r.astype(_F32)
     rec = r.reshape(-1, RES_SUPER_BYTES)
     m = np.maximum(rec[:, :RES_SUPER].view(np.int8).reshape(-1, RES_BLOCK), -127).astype(_F32)
-    x = np.clip(rec[:, RES_SUPER:].reshape(-1).astype(np.uint32), 7, 254)
+    x = np.clip(rec[:, RES_SUPER:].reshape(-1).astype(np.uint32), RES_MIN_EXP, 254)
     return (m * ((x - 6) << 23).view(_F32)[:, None]).reshape(-1)
 
 
 def encode_residuals(e: np.ndarray) -> np.ndarray:
     """float32 residuals (finite, length a multiple of 512) in the 8-bit block format."""
     b = np.ascontiguousarray(e, dtype=_F32).reshape(-1, RES_BLOCK)
-    x = np.maximum((b.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) >> 23, 7).astype(np.uint32)
+    x = np.maximum((b.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) >> 23, RES_MIN_EXP).astype(np.uint32)
     with np.errstate(under="ignore"):
         m = np.clip(np.rint(b * ((260 - x) << 23).view(_F32)[:, None]), -127, 127).astype(np.int8)
     rec = np.empty((b.shape[0] // (RES_SUPER // RES_BLOCK), RES_SUPER_BYTES), dtype=np.uint8)
