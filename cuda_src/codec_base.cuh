@@ -326,6 +326,7 @@ struct i8res_t { unsigned char x; };
 typedef i8res_t i8;
 template <typename R> using IsI8 = IsSame<R, i8res_t>;
 constexpr i64 kResSuperBytes = 528;   // codec.RES_SUPER_BYTES
+constexpr u32 kResMinExp = 7;         // codec.RES_MIN_EXP
 
 __device__ __forceinline__ i64 i8_mant_off(i64 t) { return (t >> 6) * kResSuperBytes + ((t & 63) << 3); }
 __device__ __forceinline__ i64 i8_exp_off(i64 t) { return (t >> 6) * kResSuperBytes + 512 + ((t & 63) >> 2); }
@@ -370,6 +371,9 @@ __device__ __forceinline__ float i8_decode(u32 w, int i, float mul) {
 __device__ __forceinline__ u32 i8_encode(float e, float mul) {
     return min(max(fbits(fma_rn(e, mul, 12582912.0f)), 0x4B3FFF81u), 0x4B40007Fu);   // 1.5 * 2^23 -+ 127
 }
+// A block's exponent byte x from the bits of its largest magnitude, and the encoder's 2^(133 - x).
+__device__ __forceinline__ u32 i8_block_exp(u32 amax_bits) { return max(amax_bits >> 23, kResMinExp); }
+__device__ __forceinline__ float i8_encode_mul(u32 x) { return bitsf((260u - x) << 23); }
 // Four encoded mantissas (i8_encode) as the bytes of one word, in order.
 __device__ __forceinline__ u32 i8_pack4(u32 a, u32 b, u32 c, u32 d) {
     return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
@@ -379,7 +383,7 @@ __device__ __forceinline__ u32 i8_pack4(u32 a, u32 b, u32 c, u32 d) {
 template <typename R>
 __device__ __forceinline__ void res_unpack(const ResRaw<R>& r, float (&v)[8]) {
     if constexpr (IsI8<R>::v) {
-        const u32 x = min(max(r.x, 7u), 254u);
+        const u32 x = min(max(r.x, kResMinExp), 254u);
         const float mul = bitsf((x - 6u) << 23);
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = i8_decode(i < 4 ? r.m.x : r.m.y, i & 3, mul);
@@ -398,8 +402,8 @@ __device__ __forceinline__ void res_store(R* p, i64 t, i64 S, bool vec, const fl
         for (int i = 0; i < 8; ++i) a = max(a, abs_bits(e[i]));
         a = max(a, __shfl_xor_sync(0xffffffffu, a, 1));
         a = max(a, __shfl_xor_sync(0xffffffffu, a, 2));
-        const u32 x = max(a >> 23, 7u);
-        const float mul = bitsf((260u - x) << 23);
+        const u32 x = i8_block_exp(a);
+        const float mul = i8_encode_mul(x);
         u32 m[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) m[i] = i8_encode(e[i], mul);
@@ -593,8 +597,8 @@ __device__ __forceinline__ void res16_store(unsigned char* p, const E& e) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) a = max(a, abs_bits(e(i)));
     a = max(a, __shfl_xor_sync(0xffffffffu, a, 1));
-    const u32 x = max(a >> 23, 7u);
-    const float mul = bitsf((260u - x) << 23);
+    const u32 x = i8_block_exp(a);
+    const float mul = i8_encode_mul(x);
     u32 w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k)
