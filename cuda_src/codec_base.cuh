@@ -205,16 +205,54 @@ __device__ __forceinline__ u32 raw_bits(const T* p) {
     else return *reinterpret_cast<const u16*>(p);
 }
 
+// The 16 bytes at a (2-byte aligned) from the one or two aligned 16-byte words that hold them
+// (never a word past the one holding a + 15, so no read leaves the 16-byte blocks the caller's
+// bytes lie in), shifted into place: what a misaligned 16-bit buffer reads 8 elements with.
+template <bool kReadOnly>
+__device__ __forceinline__ uint4 load16_shifted(const void* a) {
+    const unsigned long long u = reinterpret_cast<unsigned long long>(a);
+    const int off = (int)(u & 15u);
+    const uint4* q = reinterpret_cast<const uint4*>(u - off);
+    uint4 lo = kReadOnly ? ldg16(q) : q[0];
+    if (off == 0) return lo;
+    uint4 hi = kReadOnly ? ldg16(q + 1) : q[1];
+    if (off & 8) lo = make_uint4(lo.z, lo.w, hi.x, hi.y), hi = make_uint4(hi.z, hi.w, 0u, 0u);
+    if (off & 4) lo = make_uint4(lo.y, lo.z, lo.w, hi.x), hi.x = hi.y;
+    const u32 b = (u32)(off & 3) * 8u;
+    return make_uint4(__funnelshift_r(lo.x, lo.y, b), __funnelshift_r(lo.y, lo.z, b), __funnelshift_r(lo.z, lo.w, b),
+                      __funnelshift_r(lo.w, hi.x, b));
+}
+
+// Store the 16 bytes w at a (2-byte aligned, not 16): four 4-byte stores, or where a is not
+// 4-byte aligned one 2-byte store, three 4-byte ones and one 2-byte one.
+__device__ __forceinline__ void store16_misaligned(void* a, const uint4& w) {
+    const unsigned long long u = reinterpret_cast<unsigned long long>(a);
+    if ((u & 3u) == 0u) {
+        u32* q = reinterpret_cast<u32*>(a);
+        q[0] = w.x, q[1] = w.y, q[2] = w.z, q[3] = w.w;
+    } else {
+        u16* h = reinterpret_cast<u16*>(a);
+        u32* q = reinterpret_cast<u32*>(h + 1);
+        h[0] = (u16)(w.x & 0xffffu);
+        q[0] = __funnelshift_r(w.x, w.y, 16), q[1] = __funnelshift_r(w.y, w.z, 16), q[2] = __funnelshift_r(w.z, w.w, 16);
+        h[7] = (u16)(w.w >> 16);
+    }
+}
+
 // Load elements [e0, e0+8) of p; those >= n read as +0 (all-zero bits). `vec`
 // says p is 16-byte aligned (then e0 % 8 == 0 keeps every vector load aligned). kFull: the
-// caller knows both (vec and e0 + 8 <= n), so only the vector load is compiled.
-template <typename T, bool kReadOnly, bool kFull = false>
+// caller knows both (vec and e0 + 8 <= n), so only the vector load is compiled. kShift: 16-bit
+// elements off that alignment, all 8 below n, by load16_shifted (the fused kernels' general loops;
+// in the standalone decodes, 32 registers a thread, it made them spill).
+template <typename T, bool kReadOnly, bool kFull = false, bool kShift = false>
 __device__ __forceinline__ Raw8<T> load_raw8(const T* p, i64 e0, i64 n, bool vec) {
     Raw8<T> r;
     if (kFull || (vec && e0 + 8 <= n)) {
         const uint4* q = reinterpret_cast<const uint4*>(p + e0);
 #pragma unroll
         for (int i = 0; i < Raw8<T>::kVec; ++i) r.w[i] = kReadOnly ? ldg16(q + i) : q[i];
+    } else if (kShift && Raw8<T>::kVec == 1 && e0 + 8 <= n) {
+        r.w[0] = load16_shifted<kReadOnly>(p + e0);
     } else {
         u32 b[8];
 #pragma unroll
@@ -241,8 +279,9 @@ __device__ __forceinline__ uint4 pack8_16(const T (&v)[8]) {
                       bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
 }
 
-// Store 8 already-converted elements [e0, e0+8) to p, only those < n (kFull: as load_raw8).
-template <typename T, bool kFull = false>
+// Store 8 already-converted elements [e0, e0+8) to p, only those < n (kFull, kShift: as load_raw8;
+// kShift by store16_misaligned).
+template <typename T, bool kFull = false, bool kShift = false>
 __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&v)[8]) {
     if (kFull || (vec && e0 + 8 <= n)) {
         if constexpr (Traits<T>::kBytes == 4) {
@@ -253,6 +292,8 @@ __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&
         } else {
             *reinterpret_cast<uint4*>(p + e0) = pack8_16(v);
         }
+    } else if (kShift && Traits<T>::kBytes == 2 && e0 + 8 <= n) {
+        if constexpr (Traits<T>::kBytes == 2) store16_misaligned(p + e0, pack8_16(v));
     } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -272,11 +313,17 @@ __device__ __forceinline__ void pack8f(const float (&v)[8], uint4* w) {
     }
 }
 
-// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n (kFull: as load_raw8).
-template <typename T, bool kFull = false>
+// Convert (nearest even) and store 8 floats to [e0, e0+8) of p, only those < n (kFull, kShift: as store8).
+template <typename T, bool kFull = false, bool kShift = false>
 __device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
     if (kFull || (vec && e0 + 8 <= n)) {
         pack8f<T>(v, reinterpret_cast<uint4*>(p + e0));
+    } else if (kShift && Traits<T>::kBytes == 2 && e0 + 8 <= n) {
+        if constexpr (Traits<T>::kBytes == 2) {
+            uint4 w;
+            pack8f<T>(v, &w);
+            store16_misaligned(p + e0, w);
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -307,13 +354,13 @@ __device__ __forceinline__ void add_keep_nan8(const Raw8<T>& prev, const float (
 
 // A decoded unit whose scale is NaN (a non-finite unit): its 8 elements stored as the NaN that
 // scale bits `nan_bits` stand for (Traits::nan_of_scale, numpy's bits), only those < n.
-template <typename T, bool kFull>
+template <typename T, bool kFull, bool kShift = false>
 __device__ __forceinline__ void store_nan8(T* p, i64 e0, i64 n, bool vec, u32 nan_bits) {
     T o[8];
     const T nan = Traits<T>::nan_of_scale(nan_bits);
 #pragma unroll
     for (int i = 0; i < 8; ++i) o[i] = nan;
-    store8<T, kFull>(p, e0, n, vec, o);
+    store8<T, kFull, kShift>(p, e0, n, vec, o);
 }
 
 // ------------------------------------------------- residuals in 8-bit blocks

@@ -17,19 +17,19 @@ namespace echo {
 
 // The end of a decode, thread t's 8 elements at out[e0, e0 + 8) ∩ [0, count): decoded values v
 // stored, or with kAcc added (add_keep_nan8). A NaN-scale unit goes to store_nan8 instead.
-template <typename OutT, bool kAcc, bool kFull>
+template <typename OutT, bool kAcc, bool kFull, bool kShift = false>
 __device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i64 count, bool vec,
                                               const float (&v)[8]) {
     if constexpr (kAcc) {
         // Plain (coherent) loads: this kernel writes `out`.
-        const Raw8<OutT> prev = load_raw8<OutT, false, kFull>(out, e0, count, vec);
+        const Raw8<OutT> prev = load_raw8<OutT, false, kFull, kShift>(out, e0, count, vec);
         float p[8];
         unpack8<OutT>(prev.w, p);
         OutT o[8];
         add_keep_nan8<OutT>(prev, p, v, o);
-        store8<OutT, kFull>(out, e0, count, vec, o);
+        store8<OutT, kFull, kShift>(out, e0, count, vec, o);
     } else {
-        store8f<OutT, kFull>(out, e0, count, vec, v);
+        store8f<OutT, kFull, kShift>(out, e0, count, vec, v);
     }
 }
 
@@ -42,6 +42,8 @@ __device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i6
 // lane of a warp then runs (the thread count is rounded up to whole warps, the
 // stores still stop at count) and rotates before the NaN-scale branch.
 // kFull: the slice lies whole inside `out`, which is 16-byte aligned (dequantize_body checks).
+// kPeer (the fused kernels: the wire in peer memory): a 16-bit `out` off 16-byte alignment is also
+// written 8 elements at a time (store8's kShift).
 template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
 __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
@@ -83,14 +85,14 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
             }
             const u32 nan_bits = unit_nan<G, kCodec>(sbits[u], t);
             if (nan_bits != 0u) {  // a NaN scale: a non-finite unit
-                store_nan8<OutT, kFull>(out, base + (t << 3), count, vec, nan_bits);
+                store_nan8<OutT, kFull, kPeer>(out, base + (t << 3), count, vec, nan_bits);
             } else {
                 if constexpr (!kRot) {
                     decode_codes<kCodec>(w[u], v);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale);
                 }
-                store_values8<OutT, kAcc, kFull>(out, base + (t << 3), count, vec, v);
+                store_values8<OutT, kAcc, kFull, kPeer>(out, base + (t << 3), count, vec, v);
             }
         }
     }
@@ -178,7 +180,7 @@ struct Terms {
 // every part added in float32 in part order (from -0, so one part decodes as dequantize_loop does),
 // rotated back once; a unit whose scale is NaN in any part stores the first such part's NaN, and a
 // unit whose sum overflows float32 stores the NaN of the codec's NaN scale (what a two-shot owner's
-// quantizer makes of it). Same thread ranges and kFull as dequantize_loop; every lane of a warp
+// quantizer makes of it). Same thread ranges, kPeer and kFull as dequantize_loop; every lane of a warp
 // runs, whatever the codec (the rotation, the unit's overflow test).
 template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
 __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
@@ -229,9 +231,9 @@ __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __
         if (nan_bits == 0u && amax >= 0x7f800000u) nan_bits = kScaleNaN;   // (a bfloat16 scale's too)
         if constexpr (W::kRot) rot_inverse8(acc, (int)(t & (kRotLanes - 1)));
         if (nan_bits != 0u)
-            store_nan8<OutT, kFull>(out, base + (t << 3), count, vec, nan_bits);
+            store_nan8<OutT, kFull, kPeer>(out, base + (t << 3), count, vec, nan_bits);
         else
-            store_values8<OutT, kAcc, kFull>(out, base + (t << 3), count, vec, acc);
+            store_values8<OutT, kAcc, kFull, kPeer>(out, base + (t << 3), count, vec, acc);
     }
 }
 

@@ -205,7 +205,8 @@ __device__ __forceinline__ bool tile_has_tail(i64 j, i64 ntiles, i64 t0, i64 t_e
 template <bool kOut, int G, int kCodec, int GIn, int kInCodec, bool kFull, typename T, typename ResT, typename RefT,
           typename OutT>
 __device__ __forceinline__ void loop8_body(const RqArgs<T, ResT, RefT, OutT>& a, i64 t_first, i64 t_end, i64 stride) {
-    reduce_quantize_loop<T, ResT, RefT, G, kCodec, kOut, kOut, 1, kFull, OutT, GIn, kInCodec>(a, t_first, t_end, stride);
+    reduce_quantize_loop<T, ResT, RefT, G, kCodec, kOut, kOut, 1, kFull, OutT, GIn, kInCodec, true>(a, t_first,
+                                                                                             t_end, stride);
 }
 template <bool kOut, int G, int kCodec, int GIn, int kInCodec, bool kFull, typename T, typename ResT, typename RefT,
           typename OutT>

@@ -113,8 +113,10 @@ struct RqArgs {
 // checks), so no load or store tests its bounds. `stride` is a multiple of 4 (whole warps).
 // GIn, kInCodec: the incoming slices' codec (default: G, kCodec, the codec of wire_out); another
 // one of the same domain for an owner of a mixed codec (int4-h32 contributions, int7-h32 sums).
+// kShift (the fused kernels): 16-bit `own`, `base` and `out_p` off 16-byte alignment read and written
+// 8 elements at a time (load_raw8's kShift).
 template <typename InT, typename ResT, typename RefT, int G, int kCodec, bool kPeer, bool kOut, int kBatch,
-          bool kFull, typename OutT = RefT, int GIn = G, int kInCodec = kCodec>
+          bool kFull, typename OutT = RefT, int GIn = G, int kInCodec = kCodec, bool kShift = false>
 __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, RefT, OutT>& a, i64 t_first, i64 t_end,
                                                      i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
@@ -163,7 +165,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 #pragma unroll
         for (int d = 0; d + 1 < kRingDepth; ++d) ring_issue(t + d * stride, d);
     } else if (t < nthreads) {
-        own_next = load_raw8<InT, true, kFull>(own, t << 3, own_n, own_vec);
+        own_next = load_raw8<InT, true, kFull, kShift>(own, t << 3, own_n, own_vec);
         if (has_res) res_next = res_load<ResT, kFull>(residual, t, S, res_vec);
     }
     for (; t < nthreads; t += stride) {
@@ -176,7 +178,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             ring_issue(t + (kRingDepth - 1) * stride, slot == 0 ? kRingDepth - 1 : slot - 1);
             cp_async_wait<kRingDepth - 1>();
             if (own_ring(t)) own_r.w[0] = g_ring[slot][0][threadIdx.x];
-            else own_r = load_raw8<InT, true, kFull>(own, e0, own_n, own_vec);
+            else own_r = load_raw8<InT, true, kFull, kShift>(own, e0, own_n, own_vec);
             if (has_res) {
                 if (res_ring) res_r.r.w[0] = g_ring[slot][1][threadIdx.x];
                 else res_r = res_load<ResT, kFull>(residual, t, S, res_vec);
@@ -186,7 +188,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             own_r = own_next;
             res_r = res_next;
             if (t + stride < nthreads) {
-                own_next = load_raw8<InT, true, kFull>(own, e0 + (stride << 3), own_n, own_vec);
+                own_next = load_raw8<InT, true, kFull, kShift>(own, e0 + (stride << 3), own_n, own_vec);
                 if (has_res) res_next = res_load<ResT, kFull>(residual, t + stride, S, res_vec);
             }
         }
@@ -266,7 +268,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
             Raw8<OutT> braw;
             float b[8];
             if (base != nullptr) {
-                braw = load_raw8<OutT, true, kFull>(base, e0, base_n, aligned16(base));
+                braw = load_raw8<OutT, true, kFull, kShift>(base, e0, base_n, aligned16(base));
                 unpack8<OutT>(braw.w, b);
             }
             if (kOut && out_p != nullptr) {
@@ -285,13 +287,13 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                     unit_finite = finite && partner != 0;
                 }
                 if (!unit_finite) {
-                    store_nan8<OutT, kFull>(out_p, e0, out_n, vec, W::k7 ? kScaleNaN : fbits(scale));
+                    store_nan8<OutT, kFull, kShift>(out_p, e0, out_n, vec, W::k7 ? kScaleNaN : fbits(scale));
                 } else if (base != nullptr) {
                     OutT w[8];
                     add_keep_nan8<OutT>(braw, b, o, w);
-                    store8<OutT, kFull>(out_p, e0, out_n, vec, w);
+                    store8<OutT, kFull, kShift>(out_p, e0, out_n, vec, w);
                 } else {
-                    store8f<OutT, kFull>(out_p, e0, out_n, vec, o);
+                    store8f<OutT, kFull, kShift>(out_p, e0, out_n, vec, o);
                 }
             }
             if (residual != nullptr) {
