@@ -393,7 +393,9 @@ def check_fused_reference():
     ranks, 37 * 512 (the last slice ends early) and 3 * 512 (at 4 and 8 ranks, slices with nothing);
     at 37 * 512 rank 0's buffers are one element off 16-byte alignment, so rank 0 runs the general
     kernel and its peers the whole one, which must agree on what they leave alone past the count;
-    the one-shot equals the float32 sum in rank order rounded once."""
+    at 100_003 every rank's buffers are off alignment, each by its own number of elements (the
+    shifted loads and stores of the general loops); the one-shot equals the float32 sum in rank
+    order rounded once."""
     import cupy
 
     from echonccl import fused as fz
@@ -408,9 +410,9 @@ def check_fused_reference():
         return cupy.zeros(n, dtype=dt)
 
     # every codec
+    mixed, ragged = 37 * 512, 100_003
     runs = [(c, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
-             (513, 3 * 8192 + 17, 100_003, 3 << 15, 5 << 12, 37 * 512, 3 * 512)) for c in CODECS]
-    mixed = 37 * 512
+             (513, 3 * 8192 + 17, ragged, 3 << 15, 5 << 12, mixed, 3 * 512)) for c in CODECS]
 
     def engine_array(x, off):
         """``x`` on the device, ``off`` elements into a larger buffer (off 1: misaligned)."""
@@ -432,7 +434,9 @@ def check_fused_reference():
                         x = call_data(n, dt, t)
                         rounds = 2 if t == 2 else 1
                         yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=rounds)
-                        off = 1 if n == mixed and RANK == 0 else 0
+                        # off 16-byte alignment: rank 0 beside whole-kernel peers (mixed); at `ragged`
+                        # every rank, each by its own offset (at 8 ranks every one of a 16-byte word's)
+                        off = int(RANK == 0) if n == mixed else (3 * RANK + 1) % 8 if n == ragged else 0
                         xg = engine_array(x, off)
                         out = engine_array(np.zeros_like(x), off)
                         assert fz._whole_slices(L, xg, out, state) == (n % 512 == 0 and not off), n
