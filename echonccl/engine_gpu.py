@@ -9,7 +9,6 @@ timeout, and aborts the NCCL communicator when a peer stops answering.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 
@@ -383,7 +382,7 @@ class GpuEngine:
         """
         if self.fused is not None:
             return FUSED_CROSSOVER_BYTES
-        if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
+        if nccl.p2p_disabled():
             return 2 << 20
         return 128 << 20
 

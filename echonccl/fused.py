@@ -21,10 +21,10 @@ host, and can be captured in a CUDA graph. The kernels and their names: `kernel_
 from __future__ import annotations
 
 import ctypes
-import os
 
 from . import cuda_driver, dtypes, kernel_loader
 from .codec import SLICE_QUANTUM
+from .nccl import p2p_disabled
 from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
@@ -42,7 +42,7 @@ def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
     from .transport_mpi import node_rank_and_size
 
     local = node_rank_and_size(comm)[1] == comm.Get_size() and comm.Get_size() <= MAX_RANKS
-    enabled = enabled and os.environ.get("NCCL_P2P_DISABLE", "0") in ("0", "")
+    enabled = enabled and not p2p_disabled()
     devs = allgather((device_id, local, enabled))
     ok = all(d[1] and d[2] for d in devs)
     if ok:

@@ -54,6 +54,12 @@ NCCL_WIN_DEFAULT, NCCL_WIN_COLL_SYMMETRIC = 0x00, 0x01
 NCCL_WIN_REQUIRED_ALIGNMENT = 4096
 
 
+def p2p_disabled() -> bool:
+    """NCCL is told to avoid peer-to-peer (``NCCL_P2P_DISABLE`` set, and not to 0): NCCL's own
+    variable, read where its regime decides something (the fused path, ``auto``'s crossover)."""
+    return os.environ.get("NCCL_P2P_DISABLE", "0") not in ("0", "")
+
+
 def version_code(major: int, minor: int, patch: int) -> int:
     """nccl.h's ``NCCL_VERSION(X, Y, Z)``."""
     if major <= 2 and minor <= 8:

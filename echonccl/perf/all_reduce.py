@@ -9,8 +9,8 @@ a symmetric NCCL window (``NCCL_sym``: NCCL >= 2.27 runs its symmetric
 kernels there; `symmetric_problem` says why not where NCCL cannot, and the
 column reads n/a); then each algorithm of ``--algo``
 (``Communicator.all_reduce`` with its own `Feedback`, or ``feedback=False``
-with ``--no-feedback``). echonccl's speedups divide by NCCL_sym when it
-runs, else by the plain baseline.
+with ``--no-feedback``). echonccl's speedups divide by the faster of NCCL
+and NCCL_sym at each size when both run, else by the plain baseline.
 Reference: the exact float64 sum of every rank's input. Everything else is
 the shared driver, `echonccl.perf.bench`.
 """
@@ -53,11 +53,17 @@ def _echonccl(comm, algorithm: str, feedback: bool, residual: str = "float32", r
 
 def symmetric_problem(engine) -> Optional[str]:
     """Collective over the GPU engine's ranks: why NCCL's all-reduce on symmetric windows cannot
-    run here (NCCL older than 2.27; NCCL refusing, or registering no window for, a small
-    symmetric window that this registers and frees), None when it can. The same on every rank."""
-    from ..nccl import NcclError
+    run here, or is not this regime's baseline (NCCL older than 2.27; ``NCCL_P2P_DISABLE=1``,
+    under which NCCL's symmetric kernels still reach the peers over NVLink: 231 GB/s against
+    plain NCCL's 29 through host memory on two H200s, BENCHMARKS.md section 1; NCCL refusing,
+    or registering no window for, a small symmetric window that this registers and frees), None
+    when it can. The same on every rank."""
+    from ..nccl import NcclError, p2p_disabled
 
     ncomm, lib = engine.nccl, engine.nccl.lib
+    if p2p_disabled():
+        return ("left out under NCCL_P2P_DISABLE=1: NCCL's symmetric kernels would still reach the "
+                "peers over NVLink, not this regime's path")
     if not lib.supports_windows():
         return (f"NCCL {'.'.join(map(str, lib.version()))} has no symmetric windows "
                 "(ncclCommWindowRegister: NCCL 2.27 or newer)")

@@ -10,8 +10,8 @@ reference (`echonccl.perf.check`); then, for the baselines and each echonccl
 algorithm in turn, a warm-up and a timed loop over the same buffers (a
 variant with memory of its own, NCCL on symmetric windows, over copies of
 them there); the median per-call time, combined across ranks per ``-a``
-(`combine_time`). echonccl's speedups divide by the last baseline that runs
-(`echonccl.perf.check.speedup_baseline`).
+(`combine_time`). echonccl's speedups divide by the baseline that runs, or by
+each size's fastest when several do (`echonccl.perf.check.speedup_baseline`).
 Rank 0 prints the header, table and footer (`echonccl.perf.table`) and
 writes the files (`echonccl.perf.report`).
 
@@ -31,7 +31,7 @@ import numpy as np
 from .. import dtypes
 from ..transport_mpi import node_rank_and_size
 from .arrays import buffer_count, make_arrays, seed_for
-from .check import Result, Row, accuracy_stats, divergence_mask, speedup_baseline, worst
+from .check import Result, Row, accuracy_stats, divergence_mask, speedup_baseline, speedup_of, worst
 from .options import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, element_counts, format_size,
                       parse_options)
 from .report import summary, write_outputs
@@ -169,10 +169,12 @@ class Bench:
         return self.mpi.bcast(stats, root=0)
 
     def time_variant(self, variant: Variant, bufs, out) -> float:
-        """Seconds per call of ``variant``: warm-up, then the timed loop (or graph replays); the
-        median over iterations, combined across ranks per ``-a``."""
+        """Seconds per call of ``variant``: warm-up (``-w``, and two calls of each input at least:
+        a buffer set's first call prepares it, its second captures an NCCL-path schedule), then
+        the timed loop (or graph replays); the median over iterations, combined across ranks per
+        ``-a``."""
         call = variant.start()
-        warmup = max(self.opts.warmup_iters, 1 if self.opts.cudagraph else 0)  # a graph needs warm state
+        warmup = max(self.opts.warmup_iters, 2 * len(bufs))
         for i in range(warmup):
             call(bufs[i % len(bufs)], out, None)
         if self.opts.cudagraph:
@@ -195,7 +197,7 @@ class Bench:
             return Result(v.label, v.baseline, None, None, None)
         algbw = nbytes / seconds / 1e9
         speedups = None if v.baseline or not bases else {b: t / seconds for b, t in bases.items()}
-        speedup = speedups.get(self.speedup_label) if speedups and self.speedup_label else None
+        speedup = speedup_of(speedups, self.speedup_label)
         relerr, maxerr, wrong = error or (None, None, None)
         return Result(v.label, v.baseline, seconds * 1e6, algbw,
                       bus_bandwidth(algbw, self.nranks, self.collective.bus_factor),

@@ -8,7 +8,8 @@
 * `worst`: the worse of two checks' ``(relerr, maxerr, wrong)``;
 * `Result` (one variant at one size, `Result.ok` against `MAX_RELERR`) and
   `Row` (one size); the JSON (``-J``) holds ``asdict(row)`` per size;
-* `speedup_baseline`: which baseline echonccl's ``speedup`` divides by.
+* `speedup_baseline`: which baseline echonccl's ``speedup`` divides by (`FASTEST`: at each
+  size the fastest of several).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 
 MAX_RELERR = 0.5              # sanity bound on the relative error of any output
 CHUNK_ELEMS = 1 << 24         # host-side checks work in chunks of this many elements
+FASTEST = "fastest"           # the speedup baseline when several run: the fastest at each size
 
 
 def chunks(n: int, step: Optional[int] = None):
@@ -126,12 +128,23 @@ class Row:
 
 
 def speedup_baseline(variants) -> Optional[str]:
-    """The label echonccl's ``speedup`` divides by: the last baseline of ``variants`` that runs
-    (baselines come plain first, fastest last: NCCL on symmetric windows over plain NCCL);
-    None without one. ``variants``: anything with ``label``, ``baseline`` and, optionally,
-    ``unavailable`` (the reason it cannot run)."""
+    """The label echonccl's ``speedup`` divides by: the one baseline of ``variants`` that runs,
+    `FASTEST` when several do (each size's fastest: on two H200s NCCL on symmetric windows beats
+    plain NCCL up to a few MiB and loses from 8 MiB, BENCHMARKS.md section 1); None without one.
+    ``variants``: anything with ``label``, ``baseline`` and, optionally, ``unavailable`` (the
+    reason it cannot run)."""
     labels = [v.label for v in variants if v.baseline and not getattr(v, "unavailable", None)]
-    return labels[-1] if labels else None
+    if not labels:
+        return None
+    return labels[0] if len(labels) == 1 else FASTEST
+
+
+def speedup_of(speedups: Optional[dict], label: Optional[str]) -> Optional[float]:
+    """The speedup over baseline ``label`` from ``speedups`` (baseline label -> its time / this
+    time): for `FASTEST` the smallest, the fastest baseline's."""
+    if not speedups or not label:
+        return None
+    return min(speedups.values()) if label == FASTEST else speedups.get(label)
 
 
 def worst(a: Optional[tuple], b: tuple) -> tuple:

@@ -116,10 +116,11 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
         "the baselines: on GPU NCCL (column NCCL) and, with NCCL >= 2.27, NCCL on symmetric "
         "windows (NCCL_sym: buffers from ncclMemAlloc registered with NCCL_WIN_COLL_SYMMETRIC, "
         "its fastest at small sizes); on CPU MPI. Launch with mpirun -np N.",
-        epilog="Each echonccl variant's speedup is the time of one baseline over its own; the "
-        "column's unit line names it (vs NCCL_sym when that runs, else vs NCCL or vs MPI), the "
-        "footer gives the geometric means against every baseline. A baseline NCCL refuses here "
-        "shows n/a, the reason in the header. Sizes take K, M, G suffixes (powers of 1024). "
+        epilog="Each echonccl variant's speedup is a baseline's time over its own: with NCCL and "
+        "NCCL_sym the faster of the two at each size (unit line vs fastest), else the one that runs "
+        "(vs NCCL, vs MPI); the footer gives the geometric means against every baseline. A "
+        "baseline NCCL refuses here shows n/a, the reason in the header; NCCL_sym is left out "
+        "under NCCL_P2P_DISABLE=1, where its kernels would still reach the peers over NVLink. Sizes take K, M, G suffixes (powers of 1024). "
         "Exit status: 0 all checks passed, "
         f"1 a wrong result or a relative error above {MAX_RELERR}, 2 usage error.")
     g = p.add_argument_group("sweep and method (as nccl-tests)")
@@ -134,7 +135,9 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     g.add_argument("-n", "--iters", type=_int_arg(1), default=20, metavar="N",
                    help="timed iterations per size and variant (default 20)")
     g.add_argument("-w", "--warmup_iters", type=_int_arg(0), default=5, metavar="N",
-                   help="warm-up iterations per size and variant (default 5)")
+                   help="warm-up iterations per size and variant (default 5; at least two per "
+                   "rotated input, so that no timed call is a buffer set's first, which prepares it, "
+                   "or second, which captures an NCCL-path schedule as a CUDA graph)")
     g.add_argument("-c", "--check", type=_int_arg(0), default=1, metavar="N",
                    help="correctness runs per size and variant, 0 disables the check (default 1)")
     g.add_argument("-d", "--datatype", type=_dtype_arg, default="bfloat16", metavar="TYPE",
@@ -162,7 +165,7 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--no-baseline", action="store_true", help="do not run the baselines")
     e.add_argument("--no-nccl-sym", action="store_true",
                    help="GPU engine: do not time NCCL on symmetric windows (NCCL_sym, on by default; "
-                   "speedups then divide by plain NCCL)")
+                   "speedups then divide by plain NCCL at every size)")
     e.add_argument("--engine", choices=("cpu", "gpu", "auto"), default="auto",
                    help="echonccl engine (default auto: gpu when cupy sees one)")
     e.add_argument("--csv", metavar="FILE", help="write the results as CSV, one row per size and variant")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .. import __version__
-from .check import MAX_RELERR, Row, speedup_baseline
+from .check import FASTEST, MAX_RELERR, Row, speedup_baseline
 from .options import AVERAGE_MODES
 
 if TYPE_CHECKING:
@@ -94,7 +94,9 @@ def header_lines(info: dict) -> list:
     for label in info.get("baselines", [])[1:]:              # NCCL on symmetric windows
         why = info.get("unavailable", {}).get(label)
         lines.append(f"# {label:<8} : " + (f"n/a: {why}" if why else info.get("notes", {}).get(label, "")))
-    if info.get("speedup_baseline"):
+    if info.get("speedup_baseline") == FASTEST:
+        lines.append("# speedup  : the fastest baseline's time at each size / each echonccl variant's")
+    elif info.get("speedup_baseline"):
         lines.append(f"# speedup  : {info['speedup_baseline']}'s time / each echonccl variant's")
     if info["engine"] != "cpu":
         lines.append(f"# MPI      : {info['mpi_version']}")
@@ -160,7 +162,7 @@ PREFIX = (SIZE, COUNT, TYPE)
 
 
 def speedup_column(base: str) -> Column:
-    """`SPEEDUP` dividing by baseline ``base``: its unit line says so (``vs NCCL_sym``)."""
+    """`SPEEDUP` dividing by baseline ``base``: its unit line says so (``vs fastest``, ``vs NCCL``)."""
     unit = f"vs {base}"
     return Column(SPEEDUP.name, unit, max(SPEEDUP.width, len(unit)), SPEEDUP.render)
 
