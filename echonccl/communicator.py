@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -94,7 +95,7 @@ def _size_class(nbytes: int) -> int:
 
 
 _MAX_SIGNATURES = 4096      # signatures remembered as checked, layouts kept (small objects)
-_MAX_PREPARED = 1024        # prepared calls kept (pointers and small objects, no caller arrays)
+_MAX_PREPARED = 1024        # prepared calls kept (no caller arrays; only what the cache or a live Feedback holds)
 
 
 def _nothing(_stream, _x, _out) -> None:
@@ -105,14 +106,15 @@ class _Prepared:
     """A checked call's work with its buffers resolved: ``run(stream, x, out)`` (x and out: the
     caller's arrays of this call; nothing here holds them), replayed by later calls with the same
     buffers and options while `ready`: the cache entries it uses are still cached, an explicit
-    `Feedback` still holds the same residuals and options, and ``valid()`` (the engine's, e.g. the peer
-    region still current) holds."""
+    `Feedback` (held weakly: the caller owns it) is alive and holds the same residuals and options,
+    and ``valid()`` (the engine's, e.g. the peer region still current) holds. One that is not
+    ready never becomes so again; `Communicator` drops it, and what ``run`` holds with it."""
 
     __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "rounding")
 
     def __init__(self, sig, run, valid=None, entries=(), feedback=None):
         self.sig, self.run, self.valid, self.entries = sig, run, valid, entries
-        self.feedback = feedback
+        self.feedback = None if feedback is None else weakref.ref(feedback)
         self.residuals = None if feedback is None else feedback.residuals
         self.enabled = None if feedback is None else feedback.enabled
         self.rounding = None if feedback is None else feedback.rounding
@@ -121,11 +123,18 @@ class _Prepared:
         for e in self.entries:
             if not e.live:
                 return False
-        fb = self.feedback
-        if fb is not None and (fb.residuals is not self.residuals or fb.enabled is not self.enabled
-                               or fb.rounding is not self.rounding):
-            return False
+        if self.feedback is not None:
+            fb = self.feedback()
+            if fb is None or (fb.residuals is not self.residuals or fb.enabled is not self.enabled
+                              or fb.rounding is not self.rounding):
+                return False
         return self.valid is None or bool(self.valid())
+
+
+def _feedback_key(feedback):
+    """``feedback`` as part of a prepared call's key: a `Feedback` by a weak reference (equal
+    while it lives; a key never keeps the caller's state and its residuals alive)."""
+    return weakref.ref(feedback) if isinstance(feedback, Feedback) else feedback
 
 
 def _pick_engine(name: str, comm, cfg, device) -> Engine:
@@ -185,6 +194,8 @@ class Communicator:
         self._cache = BufferCache(self.config.cache_bytes, self.engine.retire)
         self._checked: OrderedDict = OrderedDict()
         self._prepared: OrderedDict = OrderedDict()     # call key -> _Prepared (`all_reduce`)
+        self._swept = (0, 0)            # (cache evictions, Feedback states gone) at the last sweep
+        self._feedback_gone = 0         # counted by the weak references of prepared keys
         self._closed = False
         self._failure: str | None = None
         if _config.debug_enabled() and self.rank == 0:
@@ -238,8 +249,8 @@ class Communicator:
         eng = self.engine
         key = None if out is None else eng.call_key(x, out)
         if key is not None:
-            key = (key, feedback, algorithm, rounds, flush)
             try:
+                key = (key, _feedback_key(feedback), algorithm, rounds, flush)
                 prep = self._prepared.get(key)
             except TypeError:               # an unhashable argument: the full path says what is wrong
                 prep = key = None
@@ -269,10 +280,27 @@ class Communicator:
                 self._fail(exc)
                 raise
             if key is not None:
-                self._prepared[key] = prep
-                if len(self._prepared) > _MAX_PREPARED:
-                    self._prepared.popitem(last=False)
+                self._keep_prepared(key, prep, feedback)
         return out if out is not None else oa
+
+    def _keep_prepared(self, key, prep: "_Prepared", feedback) -> None:
+        """Keep ``prep`` for replay under ``key``, first dropping every prepared call that can no
+        longer replay when something it used went since the last sweep (a cache entry evicted, a
+        `Feedback` collected): their closures hold workspaces and residuals, which memory then
+        gets back. At most `_MAX_PREPARED` are kept, the least recently prepared go first."""
+        if isinstance(feedback, Feedback):      # the stored key's reference counts its state's end
+            key = (key[0], weakref.ref(feedback, self._count_feedback_gone)) + key[2:]
+        now = (self._cache.evictions, self._feedback_gone)
+        if now != self._swept:
+            self._swept = now
+            for k in [k for k, p in self._prepared.items() if not p.ready()]:
+                del self._prepared[k]
+        self._prepared[key] = prep
+        if len(self._prepared) > _MAX_PREPARED:
+            self._prepared.popitem(last=False)
+
+    def _count_feedback_gone(self, _ref) -> None:
+        self._feedback_gone += 1
 
     def _prepare(self, sig: CallSignature, xf, of, feedback, name: str, rounds: int) -> "_Prepared":
         """The work of a checked call of flat arrays ``xf`` -> ``of``, its buffers resolved

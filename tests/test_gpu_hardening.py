@@ -23,7 +23,7 @@ from test_hardening import (SURVIVOR_EXIT, SURVIVOR_LINE, UNFINALIZED_EXIT,  # n
 
 ALGOS = [a for a in SCHEDULES if a != "two_shot_pipelined"]     # tests/mpi/mpi_common.py's
 CHECKS = ["bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "device",
-          "replay"]
+          "replay", "prepared_memory"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -100,7 +100,8 @@ UNFINALIZED = ("local_error", "out_of_step", "after_failure")
 # The checks that end normally share one launch a rank count (conftest.CheckLaunches), and so does
 # ``properties``, whose test is tests/test_properties.py's; the others (UNFINALIZED, the faults,
 # determinism across launches) launch on their own below.
-SHARED = ("bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "replay")
+SHARED = ("bad_input", "empty", "mismatch", "nonfinite", "subnormal", "close_reopen", "resume", "cache", "replay",
+          "prepared_memory")
 SHARED_LAUNCH = SHARED + ("properties",)
 SIMPLE = [(c, n) for n in (2, 3) for c in SHARED]
 

@@ -752,6 +752,47 @@ def _check_captured_calls_are_pinned(comm) -> None:
     assert comm._cache.pinned_bytes() == 0
 
 
+def check_prepared_memory():
+    """Prepared calls (``out`` given: later calls with the same buffers replay them) hold nothing
+    the caller or the cache gave up: a `Feedback` the caller dropped is collected, and once a new
+    call is prepared no kept call refers to it, to its residuals or to an evicted cache entry
+    (workspace, default state). Sizes change every call, as a soak's do (tools/soak.py found
+    gigabytes held so on two GPUs)."""
+    import gc
+    import weakref
+
+    def weak(obj):
+        try:
+            return weakref.ref(obj)
+        except TypeError:           # an engine array without weak references: not checked
+            return None
+
+    comm = new_comm(cache_bytes=256 << 10)
+    states, residuals = [], []
+    for i in range(40):
+        n = 1000 + 37 * i
+        x, out = to_engine(rank_data(n, "float32", seed=i)), to_engine(np.zeros(n, np.float32))
+        fb = comm.new_feedback()
+        comm.all_reduce(x, out, feedback=fb)
+        comm.all_reduce(x, out, feedback=fb)        # replayed
+        comm.all_reduce(x, out)                     # the default state, in the cache
+        states.append(weakref.ref(fb))
+        residuals.append(weak(fb.residuals.inputs))
+        del fb
+    x, out = to_engine(rank_data(5000, "float32", seed=99)), to_engine(np.zeros(5000, np.float32))
+    comm.all_reduce(x, out, feedback=False)         # a new prepared call
+    gc.collect()
+    assert comm._cache.evictions > 0, "nothing was evicted: the check needs a smaller cache"
+    assert all(r() is None for r in states), "a Feedback the caller dropped is still referenced"
+    assert all(r is None or r() is None for r in residuals), "a dropped Feedback's residuals are held"
+    for prep in comm._prepared.values():
+        assert prep.ready(), "a prepared call that can no longer replay is kept"
+        assert all(e.live for e in prep.entries), "a prepared call holds an evicted cache entry"
+    comm.all_reduce(x, out, feedback=False)         # the survivor still replays, and matches
+    assert_identical_across_ranks(out, "replayed after the sweep")
+    comm.close()
+
+
 def check_replay():
     """A call whose buffers the communicator has seen replays its prepared work (no checks,
     lookups or argument conversion again: the host's fast path) and must give bitwise what the
@@ -1087,7 +1128,7 @@ CHECKS = {f.__name__[len("check_"):]: f for f in
           (check_bad_input, check_local_error, check_empty, check_mismatch, check_out_of_step, check_after_failure,
            check_nonfinite, check_subnormal, check_peer_exit, check_peer_exit_first, check_peer_hang,
            check_close_reopen, check_cache, check_device, check_determinism, check_resume, check_properties,
-           check_replay)}
+           check_replay, check_prepared_memory)}
 
 # They end the process themselves (exit statuses 42 and 43, a rank killed or frozen): one a launch.
 ALONE = ("local_error", "out_of_step", "after_failure", "peer_exit", "peer_exit_first", "peer_hang")
