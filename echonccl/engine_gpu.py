@@ -48,9 +48,10 @@ def _as_cupy_stream(stream):
                     f"not {type(stream).__name__}")
 
 
-# ``auto`` below this input size runs the 16-bit one-shot when peers map each other's memory
-# (two H200s over NVLink: the two-shot and the one-shot meet between 4 and 8 MiB; BENCHMARKS.md).
-FUSED_CROSSOVER_BYTES = 8 << 20
+# ``auto`` below this input size runs the 16-bit one-shot when peers map each other's memory.
+# Two H200s over NVLink (BENCHMARKS.md section 1): the one-shot is faster up to 2 MiB, the
+# fused two-shot from 4 MiB (eager and -G); more ranks favour the two-shot further.
+FUSED_CROSSOVER_BYTES = 4 << 20
 
 
 class _GraphedRun:
