@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU acceptance run (two H200s, one process per GPU; BENCHMARKS.md section 7):
+# The two-GPU acceptance run (two H200s, one process per GPU; BENCHMARKS.md sections 1 and 7):
 #   bash tools/two_gpu_run.sh OUTDIR
 # 1. tools/gpu_suite.sh OUTDIR/suite all: tests, kernel bench, soak, echonccl-perf in the three
 #    regimes eager and -G (both NCCL columns), the depth study on the GPU engine;
