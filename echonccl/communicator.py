@@ -107,8 +107,9 @@ class _Prepared:
     caller's arrays of this call; nothing here holds them), replayed by later calls with the same
     buffers and options while `ready`: the cache entries it uses are still cached, an explicit
     `Feedback` (held weakly: the caller owns it) is alive and holds the same residuals and options,
-    and ``valid()`` (the engine's, e.g. the peer region still current) holds. One that is not
-    ready never becomes so again; `Communicator` drops it, and what ``run`` holds with it."""
+    and ``valid()`` (the engine's, e.g. the peer region still current) holds. `Communicator`
+    drops one that is not ready, and with it what ``run`` holds (a later call of its buffers
+    prepares them again)."""
 
     __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "rounding")
 

@@ -24,8 +24,8 @@ import ctypes
 
 from . import cuda_driver, dtypes, kernel_loader
 from .codec import SLICE_QUANTUM
-from .nccl import p2p_disabled
 from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel
+from .nccl import p2p_disabled
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
 

@@ -120,7 +120,8 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
         "NCCL_sym the faster of the two at each size (unit line vs fastest), else the one that runs "
         "(vs NCCL, vs MPI); the footer gives the geometric means against every baseline. A "
         "baseline NCCL refuses here shows n/a, the reason in the header; NCCL_sym is left out "
-        "under NCCL_P2P_DISABLE=1, where its kernels would still reach the peers over NVLink. Sizes take K, M, G suffixes (powers of 1024). "
+        "under NCCL_P2P_DISABLE=1, where its kernels would still reach the peers over NVLink. "
+        "Sizes take K, M, G suffixes (powers of 1024). "
         "Exit status: 0 all checks passed, "
         f"1 a wrong result or a relative error above {MAX_RELERR}, 2 usage error.")
     g = p.add_argument_group("sweep and method (as nccl-tests)")
