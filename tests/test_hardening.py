@@ -180,6 +180,9 @@ def test_peer_dead_before_first_call_times_out_via_environment(n):
     assert_survivors_timed_out(res, wall, n, "peer_exit_first", "cpu", 2.0, "metadata check")
 
 
+HASH_LINES = len(SCHEDULES) - 1      # one per schedule check_determinism runs (tests/mpi/mpi_common.ALGOS)
+
+
 def _hashes(stdout: str) -> list[str]:
     return sorted(line for line in stdout.splitlines() if line.startswith("HASH "))
 
@@ -191,8 +194,7 @@ def test_deterministic_across_ranks_runs_and_launches(n):
     for res in runs:
         assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     first, second = (_hashes(r.stdout) for r in runs)
-    # one HASH line per schedule check_determinism runs (tests/mpi/mpi_common.ALGOS)
-    assert len(first) == len(SCHEDULES) - 1 and first == second, f"launches differ:\n{first}\n{second}"
+    assert len(first) == HASH_LINES and first == second, f"launches differ:\n{first}\n{second}"
 
 
 # -- single process -----------------------------------------------------------------------------
