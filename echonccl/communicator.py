@@ -113,9 +113,9 @@ class _Prepared:
 
     __slots__ = ("sig", "run", "valid", "entries", "feedback", "residuals", "enabled", "rounding")
 
-    def __init__(self, sig, run, valid=None, entries=(), feedback=None):
+    def __init__(self, sig, run, valid=None, entries=(), feedback=None, on_feedback_gone=None):
         self.sig, self.run, self.valid, self.entries = sig, run, valid, entries
-        self.feedback = None if feedback is None else weakref.ref(feedback)
+        self.feedback = None if feedback is None else weakref.ref(feedback, on_feedback_gone)
         self.residuals = None if feedback is None else feedback.residuals
         self.enabled = None if feedback is None else feedback.enabled
         self.rounding = None if feedback is None else feedback.rounding
@@ -196,7 +196,7 @@ class Communicator:
         self._checked: OrderedDict = OrderedDict()
         self._prepared: OrderedDict = OrderedDict()     # call key -> _Prepared (`all_reduce`)
         self._swept = (0, 0)            # (cache evictions, Feedback states gone) at the last sweep
-        self._feedback_gone = 0         # counted by the weak references of prepared keys
+        self._feedback_gone = 0         # counted by prepared calls' weak references to their Feedback
         self._closed = False
         self._failure: str | None = None
         if _config.debug_enabled() and self.rank == 0:
@@ -281,16 +281,14 @@ class Communicator:
                 self._fail(exc)
                 raise
             if key is not None:
-                self._keep_prepared(key, prep, feedback)
+                self._keep_prepared(key, prep)
         return out if out is not None else oa
 
-    def _keep_prepared(self, key, prep: "_Prepared", feedback) -> None:
+    def _keep_prepared(self, key, prep: "_Prepared") -> None:
         """Keep ``prep`` for replay under ``key``, first dropping every prepared call that can no
         longer replay when something it used went since the last sweep (a cache entry evicted, a
         `Feedback` collected): their closures hold workspaces and residuals, which memory then
         gets back. At most `_MAX_PREPARED` are kept, the least recently prepared go first."""
-        if isinstance(feedback, Feedback):      # the stored key's reference counts its state's end
-            key = (key[0], weakref.ref(feedback, self._count_feedback_gone)) + key[2:]
         now = (self._cache.evictions, self._feedback_gone)
         if now != self._swept:
             self._swept = now
@@ -337,7 +335,7 @@ class Communicator:
                 run_rounds(schedule, eng.kernels, eng.transport, layout, eng.flat(x), eng.flat(out), state, wsv,
                            rounds)
             run = eng.prepare_schedule(direct)
-        return _Prepared(sig, run, valid, entries, fb)
+        return _Prepared(sig, run, valid, entries, fb, self._count_feedback_gone)
 
     def _replay(self, prep: "_Prepared", stream, x, out) -> None:
         """Run a prepared call again: the checks and cache bookkeeping a full call of the same
