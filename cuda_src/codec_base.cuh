@@ -292,13 +292,17 @@ __device__ __forceinline__ void store8(T* p, i64 e0, i64 n, bool vec, const T (&
         } else {
             *reinterpret_cast<uint4*>(p + e0) = pack8_16(v);
         }
-    } else if (kShift && Traits<T>::kBytes == 2 && e0 + 8 <= n) {
-        if constexpr (Traits<T>::kBytes == 2) store16_misaligned(p + e0, pack8_16(v));
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (e0 + i < n) p[e0 + i] = v[i];
+        return;
     }
+    if constexpr (kShift && Traits<T>::kBytes == 2) {
+        if (e0 + 8 <= n) {
+            store16_misaligned(p + e0, pack8_16(v));
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (e0 + i < n) p[e0 + i] = v[i];
 }
 
 // 8 floats converted (nearest even) to T, as stored: Raw8<T>::kVec 16-byte words at w.
@@ -318,17 +322,19 @@ template <typename T, bool kFull = false, bool kShift = false>
 __device__ __forceinline__ void store8f(T* p, i64 e0, i64 n, bool vec, const float (&v)[8]) {
     if (kFull || (vec && e0 + 8 <= n)) {
         pack8f<T>(v, reinterpret_cast<uint4*>(p + e0));
-    } else if (kShift && Traits<T>::kBytes == 2 && e0 + 8 <= n) {
-        if constexpr (Traits<T>::kBytes == 2) {
+        return;
+    }
+    if constexpr (kShift && Traits<T>::kBytes == 2) {
+        if (e0 + 8 <= n) {
             uint4 w;
             pack8f<T>(v, &w);
             store16_misaligned(p + e0, w);
+            return;
         }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (e0 + i < n) p[e0 + i] = Traits<T>::from_f32(v[i]);
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (e0 + i < n) p[e0 + i] = Traits<T>::from_f32(v[i]);
 }
 
 // Element i of 8 loaded elements, as its type (bits unchanged).
