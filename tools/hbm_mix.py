@@ -8,8 +8,10 @@ decode could take:
   ``wide``: one 16-byte load a lane, 512 contiguous bytes a warp;
 * loads ``reg`` (into registers at the step that uses them) or ``async`` (`cp.async` into shared
   memory two steps ahead, `dequantize_loop16`'s way since it was measured here);
-* stores ``direct`` (two 16-byte stores a lane, 512 contiguous bytes an instruction) or ``staged``
-  (through the warp's shared memory first, `unit16_store`'s way);
+* stores ``direct`` (two 16-byte stores a lane, 512 contiguous bytes an instruction), ``staged``
+  (through the warp's shared memory first, `unit16_store`'s way) or ``bulk`` (staged the same way,
+  then the warp's 1 KiB written by one bulk copy, ``cp.async.bulk`` from shared memory, sm_90 and
+  newer; two staging buffers a warp, a buffer reused once its copy has read it);
 * ``--work R``: R rounds of 16 fmas, 8 shuffles and 8 fmas per 16 elements, standing in for the
   decode's instructions (the shipped decode issues about 210 a lane-step, near R = 6).
 
@@ -27,7 +29,7 @@ import sys
 
 import numpy as np
 
-LAYOUTS, LOADS, STORES = ("planes", "wide"), ("reg", "async"), ("direct", "staged")
+LAYOUTS, LOADS, STORES = ("planes", "wide"), ("reg", "async"), ("direct", "staged", "bulk")
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -46,7 +48,7 @@ __device__ __forceinline__ void cp8(void* dst, const void* src) {
 // w: S bytes of wire (S = 16 n), out: 2 S bytes; unit u (16 elements) a lane-step.
 template <int WIDE, int WORK, int STAGED, int ASYNC>
 __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* __restrict__ out, long long n) {
-    __shared__ __align__(16) uint4 stage[8][64];   // a warp's 1 KiB of output
+    __shared__ __align__(128) uint4 stage[2][8][64];   // a warp's 1 KiB of output (bulk: two)
     __shared__ __align__(16) uint4 ring[3][8][32];  // a warp's wire, three steps
     __shared__ u32 ring_top[3][8][32];              // planes: the bit-6 word of a lane's pair
     const long long S = n * 16;
@@ -100,8 +102,23 @@ __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* 
         for (int i = 0; i < 8; ++i) o[i] = (__float_as_uint(v[2 * i]) >> 16) | (__float_as_uint(v[2 * i + 1]) & 0xffff0000u);
         uint4* p = out + ((u - lane) << 1);
         const uint4 a = make_uint4(o[0], o[1], o[2], o[3]), b = make_uint4(o[4], o[5], o[6], o[7]);
-        if (STAGED) {
-            uint4* s = stage[wp];
+        if (STAGED == 2) {
+#if __CUDA_ARCH__ >= 900
+            uint4* s = stage[step & 1][wp];
+            if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            __syncwarp();   // the copy from this buffer two steps ago has read it
+            s[2 * lane] = a;
+            s[2 * lane + 1] = b;
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncwarp();
+            if (lane == 0) {
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 1024;"
+                             ::"l"(p), "r"((u32)__cvta_generic_to_shared(s)) : "memory");
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            }
+#endif
+        } else if (STAGED) {
+            uint4* s = stage[0][wp];
             __syncwarp();
             s[2 * lane] = a;
             s[2 * lane + 1] = b;
@@ -114,11 +131,14 @@ __device__ __forceinline__ void mix(const unsigned char* __restrict__ w, uint4* 
         }
     }
     if (ASYNC) asm volatile("cp.async.wait_group 0;" ::: "memory");
+#if __CUDA_ARCH__ >= 900
+    if (STAGED == 2 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
 }
 #define MIX(W, R, S, A) extern "C" __global__ void __launch_bounds__(256, 3) \
     mix_##W##_##R##_##S##_##A(const unsigned char* w, uint4* out, long long n) { mix<W, R, S, A>(w, out, n); }
-#define MIX_R(R) MIX(0, R, 0, 0) MIX(0, R, 0, 1) MIX(0, R, 1, 0) MIX(0, R, 1, 1) \
-                 MIX(1, R, 0, 0) MIX(1, R, 0, 1) MIX(1, R, 1, 0) MIX(1, R, 1, 1)
+#define MIX_L(W, R) MIX(W, R, 0, 0) MIX(W, R, 0, 1) MIX(W, R, 1, 0) MIX(W, R, 1, 1) MIX(W, R, 2, 0) MIX(W, R, 2, 1)
+#define MIX_R(R) MIX_L(0, R) MIX_L(1, R)
 MIX_R(0) MIX_R(2) MIX_R(4) MIX_R(6) MIX_R(8)
 """
 WORKS = (0, 2, 4, 6, 8)
