@@ -540,6 +540,18 @@ __device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
     *dst = *reinterpret_cast<const uint4*>(src);
 #endif
 }
+// cp_async16 of the first `bytes` (0 to 16) of src, the rest of dst zero-filled (none read past them).
+__device__ __forceinline__ void cp_async16_zfill(uint4* dst, const void* src, u32 bytes) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+#else
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    for (u32 i = 0; i < bytes; ++i) reinterpret_cast<unsigned char*>(&v)[i] = reinterpret_cast<const unsigned char*>(src)[i];
+    *dst = v;
+#endif
+}
 // This thread's copies since the last commit, as one group.
 __device__ __forceinline__ void cp_async_commit() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -604,6 +616,21 @@ __device__ __forceinline__ void unit16_copy_async(uint4* r, const void* p) {
     cp_async16(r + stage_slot<2>(lane), reinterpret_cast<const uint4*>(p) + lane);
     cp_async16(r + stage_slot<2>(lane + 32), reinterpret_cast<const uint4*>(p) + lane + 32);
 }
+// The valid elements of the partial last 512-element block of the slice a 16-element loop of an
+// any-count kernel works on (0: that block is whole; the loops' kAny). Every thread of the block stores the same
+// value as the loop starts, and reads it only where a warp's step is the slice's last block: kept
+// in shared memory, not in a register across the loop (where it made ptxas spill).
+__shared__ int g_tail;
+// unit16_copy_async of a partial 512-element block: its first n 16-bit elements (0 < n < 512), the
+// rest of r zero-filled; nothing past them read.
+__device__ __forceinline__ void unit16_copy_async_n(uint4* r, const void* p, int n) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const int c = lane + 32 * m, bytes = 2 * min(max(n - 8 * c, 0), 8);
+        cp_async16_zfill(r + stage_slot<2>(c), reinterpret_cast<const uint4*>(p) + (bytes ? c : 0), (u32)bytes);
+    }
+}
 // This lane's unit of r, once every lane's copies into r have landed and the warp synchronized.
 __device__ __forceinline__ void unit16_read(const uint4* r, uint4& a, uint4& b) {
     const int lane = threadIdx.x & 31;
@@ -619,6 +646,25 @@ __device__ __forceinline__ void unit16_store(uint4* r, void* p, const uint4& a, 
     __syncwarp();
     reinterpret_cast<uint4*>(p)[lane] = r[stage_slot<2>(lane)];
     reinterpret_cast<uint4*>(p)[lane + 32] = r[stage_slot<2>(lane + 32)];
+}
+// unit16_store of a partial 512-element block: only its first n 16-bit elements (0 < n < 512) stored.
+__device__ __forceinline__ void unit16_store_n(uint4* r, void* p, const uint4& a, const uint4& b, int n) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    r[stage_slot<2>(2 * lane)] = a;
+    r[stage_slot<2>(2 * lane + 1)] = b;
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const int c = lane + 32 * m, k = n - 8 * c;
+        if (k >= 8) {
+            reinterpret_cast<uint4*>(p)[c] = r[stage_slot<2>(c)];
+        } else if (k > 0) {
+            const u16* src = reinterpret_cast<const u16*>(r + stage_slot<2>(c));
+            u16* dst = reinterpret_cast<u16*>(p) + 8 * c;
+            for (int i = 0; i < k; ++i) dst[i] = src[i];
+        }
+    }
 }
 
 // int8 residuals, 16 elements a thread: a warp's 32 units are one 512-element block of the format

@@ -107,9 +107,15 @@ constexpr int kWireAhead = 2;
 // lane ^ 1; reduce_quantize_loop16), over units [u_first, u_end) of slice `slice` that lie whole
 // in a 16-byte aligned `out` (u_end a multiple of 32), walked with `stride` (a multiple of 32); the
 // wire of each warp's step kWireAhead steps ahead in ring slot 1 (WarpWire16). Same bits as dequantize_loop.
-template <typename OutT, int G, bool kAcc, int kCodec>
+// kAny (the whole-slice kernels that take any count; never with kAcc): u_end is the slice's extent,
+// the slice holding n valid elements of `out`, its last 512-element block maybe in part (g_tail),
+// stored up to n.
+template <typename OutT, int G, bool kAcc, int kCodec, bool kAny = false>
 __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
-                                                  i64 S, i64 slice, i64 u_first, i64 u_end, i64 stride) {
+                                                  i64 S, i64 slice, i64 u_first, i64 u_end, i64 stride,
+                                                  i64 n = 0) {
+    static_assert(!(kAny && kAcc), "the whole-slice kernels do not accumulate");
+    if constexpr (kAny) g_tail = (int)(n & 511);
     using W = Wire<G, kCodec>;
     static_assert(Traits<OutT>::kBytes == 2 && G <= 32, "16-bit outputs, groups of at most 32");
     const unsigned char* sl = wire + slice * W::slice_bytes(S);
@@ -162,7 +168,10 @@ __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restric
                 pack8f<OutT>(v[0], &ow[0]);
                 pack8f<OutT>(v[1], &ow[1]);
             }
-            unit16_store(warp_ring(0), out + base + ((u - lane) << 4), ow[0], ow[1]);
+            const i64 e = (u - lane) << 4;
+            if (kAny && u - lane + 32 == u_end && g_tail != 0)
+                unit16_store_n(warp_ring(0), out + base + e, ow[0], ow[1], g_tail);
+            else unit16_store(warp_ring(0), out + base + e, ow[0], ow[1]);
         }
     }
     cp_async_wait<0>();

@@ -42,8 +42,13 @@
 // or, in the whole-slice kernels (the host's choice when x and out hold the same count, a multiple
 // of 512, all 16-byte aligned, in round 1), the loop for slices whose valid elements lie whole in
 // aligned buffers. Both loops in one phase made ptxas spill twice as much, and the kernel ran 5-25%
-// slower on two H200s. The whole-slice kernels leave a slice's 512-element blocks past the count
-// alone (their wire bytes stale, their residuals as a new state holds them), and so does every
+// slower on two H200s. The any-count kernels (kAny; kernel_table.Kernel.any_count: two-shots whose
+// phases all run 16 elements a thread) are whole-slice kernels for a count that is not a multiple
+// of 512: a slice's last 512-element block, one warp's step, holds fewer valid elements, and that
+// warp reads it zero-filled and stores it up to the count (unit16_copy_async_n, unit16_store_n).
+// Their own kernels, so that the whole-slice ones keep their code (the partial block's tests in
+// them cost the MPS proxy 7% at 16 MiB). Every kernel leaves a slice's 512-element blocks past the
+// count alone (their wire bytes stale, their residuals as a new state holds them), and so does every
 // owner, which may read such stale blocks from a peer running a whole-slice kernel (slice_extent).
 //
 // Which kernels exist is echonccl/kernel_table.py's to say: it generates the source that uses
@@ -242,22 +247,25 @@ __device__ __forceinline__ void split_tile(i64 ue, i64 j, i64 ntiles, const F16&
 // own slice of the output as it makes the codes, and reduces its incoming slices one at a time
 // (the standalone kernels: kInBatch at once): fewer registers and spills, faster with two ranks.
 // Each works on tile j of T: 8-element threads j * 256 + threadIdx.x, stepping by T * 256 (the
-// 16-element loops: unit_first). kWhole: the slice's valid elements, a multiple of 512, lie whole in
-// 16-byte aligned buffers (reduce_quantize_loop's and dequantize_loop's kFull), and only they are
-// worked on. contribute_tile: a contribution's tile, phase_contribute's and phase_push's body (k16:
-// the 16-element loop where it applies); in a whole-slice kernel own_n is the slice's valid count.
-template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16>
+// 16-element loops: unit_first). kWhole: the slice's valid elements lie whole in 16-byte aligned
+// buffers (reduce_quantize_loop's and dequantize_loop's kFull), a multiple of 512 of them unless
+// kAny (the 16-element loops only: the last 512-element block in part), and only the blocks that
+// hold them are worked on. contribute_tile: a contribution's tile, phase_contribute's and
+// phase_push's body (k16: the 16-element loop where it applies); in a whole-slice kernel own_n is
+// the slice's valid count.
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16, bool kAny = false>
 __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                                 i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
-        ue = kWhole ? own_n >> 4 : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
+        ue = kWhole ? (kAny ? slice_extent(own_n, S) : own_n) >> 4
+                    : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole, kAny>(
                     RqArgs<T, ResT, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
                                            copy_off},
                     u_first, u_end, stride);
@@ -269,10 +277,11 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
                 t_first, t_end, stride);
         });
 }
-template <typename T, typename ResT, int G, int kCodec, bool kWhole>
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool kAny>
 __device__ __noinline__ void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                               i64 ntiles) {
-    contribute_tile<T, ResT, G, kCodec, kWhole, kLoop16<T, ResT, G>>(own, own_n, res, wire, S, j, ntiles, nullptr, 0, 0);
+    contribute_tile<T, ResT, G, kCodec, kWhole, kLoop16<T, ResT, G>, kAny>(own, own_n, res, wire, S, j, ntiles,
+                                                                           nullptr, 0, 0);
 }
 // phase_contribute with the codes also stored to copies[c] + copy_off (one_shot_q's push), 8 elements
 // a thread (at 16 it spilled 100 bytes and one_shot_q ran 2-4% slower one rank alone).
@@ -286,7 +295,7 @@ __device__ __noinline__ void phase_push(const T* own, i64 own_n, ResT* res, unsi
 // slice written. RefT: T (the residual holds the output's rounding to T; `base`: a refinement
 // round's) or float (echonccl Feedback(rounding=False): the sum's quantization error alone, two
 // rotations an element instead of three; no base).
-template <typename T, typename ResT, typename RefT, int G, int kCodec, int GIn, int kInCodec, bool kWhole>
+template <typename T, typename ResT, typename RefT, int G, int kCodec, int GIn, int kInCodec, bool kWhole, bool kAny>
 __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
@@ -296,14 +305,14 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
-        ue = kWhole ? out_n >> 4
+        ue = kWhole ? (kAny ? slice_extent(out_n, S) : out_n) >> 4
                     : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
                            ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole, kAny>(
                     RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
@@ -332,20 +341,22 @@ __device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64
                                           i64 t_end, i64 stride, int accumulate) {
     decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, t_end, stride, accumulate);
 }
-template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
+template <typename T, int G, int kCodec, bool kWhole, bool kAdd, bool kAny>
 __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
     constexpr bool k16 = kLoop16<T, T, G>;
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
-        ue = kWhole ? slice_valid(count, slice, S) >> 4 : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
+        ue = kWhole ? (kAny ? slice_extent(slice_valid(count, slice, S), S) : slice_valid(count, slice, S)) >> 4
+                    : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
     split_tile<!(kWhole && k16), false>(   // (dequantize_loop: no ring)
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
                 if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
-                else dequantize_loop16<T, G, false, kCodec>(wire, out, S, slice, u_first, u_end, stride);
+                else dequantize_loop16<T, G, false, kCodec, kAny>(wire, out, S, slice, u_first, u_end, stride,
+                                                                    kAny ? slice_valid(count, slice, S) : 0);
             }
         },
         [&] { return (kWhole ? slice_valid(count, slice, S) : S) >> 3; },
@@ -374,18 +385,21 @@ __device__ __noinline__ void phase_decode_sum(const Terms& terms, T* out, i64 co
 // round); out: count elements (x itself for in place); res_in: P * S input residuals,
 // res_out: S output residuals (both null without feedback); S: slice elements; ntiles: T,
 // at most the slice's chunks and max_tiles (flags per slot). kWhole: x_n == count, a multiple of
-// 512, and x, out and the residuals 16-byte aligned (the host's choice; see contribute_tile). kRef32: the
+// 512 unless kAny, and x, out and the residuals 16-byte aligned (the host's choice; see
+// contribute_tile and this file's head). kRef32: the
 // owner's ref in float32 (phase_reduce; echonccl Feedback(rounding=False)), never with
 // accumulate (a refinement round runs the kernel without it). One owner phase per kernel: both
 // in one, picked at run time, made the kernel 7-35% slower on one H200 (more spills).
 // Contributions travel in codec (G, kCodec), the owners' sums in (GS, kSumCodec): the same, or
 // int7-h32 sums of int4-h32 contributions (echonccl codec int4-h32/int7-h32).
-template <typename T, typename ResT, int G, int kCodec, int GS, int kSumCodec, bool kWhole, bool kRef32>
+template <typename T, typename ResT, int G, int kCodec, int GS, int kSumCodec, bool kWhole, bool kRef32, bool kAny>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
                                                     int accumulate, const PeerTable* __restrict__ table,
                                                     Ctl* ctl, u64 timeout_ns) {
+    static_assert(!kAny || (kWhole && kRef32 && kLoop16<T, ResT, G> && kLoop16<T, ResT, GS>),
+                  "any count: whole slices whose phases all run 16 elements a thread");
     __shared__ long long s_item;
     __shared__ int s_ok;
     const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
@@ -407,7 +421,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G, kCodec, kWhole>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
+            phase_contribute<T, ResT, G, kCodec, kWhole, kAny>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
                                          table->recv[s] + slot * slice_bytes, S, j, T_);
             __syncthreads();
             if (threadIdx.x == 0) st_release_sys(table->flags[s] + slot * max_tiles + j, epoch);
@@ -426,7 +440,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole>(
+            phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole, kAny>(
                 my_recv, P - 1, rank, x + lo, hi - lo, res_out, table->gather_peers[0] + rank * sum_bytes, S,
                 (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers + 1, P - 2,
                 rank * sum_bytes, out + blo, bhi - blo);
@@ -444,7 +458,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, GS, kSumCodec, kWhole, !kRef32>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, GS, kSumCodec, kWhole, !kRef32, kAny>(my_gather, out, count, S, s, j, T_, accumulate);
         }
     }
     end_call(ctl, epoch);
@@ -678,16 +692,16 @@ __device__ __forceinline__ void one_shot_ll_body(const T* x, T* out, i64 count, 
 // that lie whole in aligned buffers (see the top of this file); a kernel holding both loops,
 // picked at run time, spilled more in every phase.
 //
-// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32)
+// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY)
 //     (const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out, i64 S, i64 rank, i64 P,
 //      i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table, Ctl* ctl, i64 timeout_ns)
-//     GS, SUMCODEC (the sums' codec), REF32: see fused_two_shot_body
-#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32)                                       \
+//     GS, SUMCODEC (the sums' codec), REF32, ANY: see fused_two_shot_body
+#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY)                                  \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, GS, SUMCODEC, WHOLE, REF32>(                           \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY>(                       \
                                                                           x, x_n, out, count, res_in, res_out, S,     \
                                                                           (int)rank, (int)P, ntiles, max_tiles,       \
                                                                           (int)accumulate, table, ctl,                \

@@ -343,8 +343,11 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // the ring (g_ring) holds a unit's own input and residual. kEarly (the whole-slice kernels): the
 // owner issues its first incoming slice's loads at the step's start, in flight during the ring's wait
 // and the rotation (two ranks, one alone: 3-4% faster; the general kernels' owner spills with it).
+// kAny (the whole-slice kernels that take any count): u_end is the slice's extent, and `own` and
+// `out_p` hold a.own_n valid elements, the last 512-element block maybe in part (g_tail): its input
+// read zero-filled, its output stored up to own_n.
 template <typename T, typename ResT, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec,
-          bool kEarly = false>
+          bool kEarly = false, bool kAny = false>
 __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, float, T>& a, i64 u_first, i64 u_end,
                                                        i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
@@ -365,6 +368,7 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
     const i64 in_slice_bytes = WIn::slice_bytes(S);
     const int nin = kOut || !kEarly ? (int)a.n_in : 0, opos = (int)a.own_pos;
     const bool has_res = residual != nullptr;
+    if constexpr (kAny) g_tail = (int)(a.own_n & 511);
 
     const int hb = (int)(u_first & 1);   // the half of its rotation block, fixed
     const int lane = threadIdx.x & 31;
@@ -372,7 +376,9 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
         __syncwarp();   // every lane is done with the slot (its reads, the stores staged through it)
         if (uu < u_end) {   // whole warps
             uint4* r = warp_ring(slot);
-            unit16_copy_async(r, own + ((uu - lane) << 4));
+            const i64 e = (uu - lane) << 4;
+            if (kAny && uu - lane + 32 == u_end && g_tail != 0) unit16_copy_async_n(r, own + e, g_tail);
+            else unit16_copy_async(r, own + e);
             if (has_res) {
                 if constexpr (kI8) res16_copy_async(r + 64, i8_run(residual, uu - lane));
                 else unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
@@ -509,7 +515,9 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
             pack8f<T>(e[0], &ow[0]);
             pack8f<T>(e[1], &ow[1]);
         }
-        unit16_store(r, out_p + ((u - lane) << 4), ow[0], ow[1]);
+        const i64 e_out = (u - lane) << 4;
+        if (kAny && u - lane + 32 == u_end && g_tail != 0) unit16_store_n(r, out_p + e_out, ow[0], ow[1], g_tail);
+        else unit16_store(r, out_p + e_out, ow[0], ow[1]);
     }
     cp_async_wait<0>();
 }

@@ -21,10 +21,11 @@ host, and can be captured in a CUDA graph. The kernels and their names: `kernel_
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 from . import cuda_driver, dtypes, kernel_loader
 from .codec import SLICE_QUANTUM
-from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel
+from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel, takes_any_count
 from .nccl import p2p_disabled
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
@@ -50,16 +51,17 @@ def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
     return all(allgather(ok))
 
 
-def _whole_slices(layout, x, out, state) -> bool:
+def _whole_slices(layout, x, out, state, any_count: bool = False) -> bool:
     """True when ``x`` and ``out`` hold the layout's count, a multiple of `codec.SLICE_QUANTUM` (512:
-    every slice's valid part whole blocks of it), and they and the residuals are 16-byte aligned:
-    what the ``_whole`` fused kernels assume (the blocks past the count they leave alone, as every
-    fused kernel does)."""
+    every slice's valid part whole blocks of it) or, with ``any_count``, any count, and they and
+    the residuals are 16-byte aligned: what the ``_whole`` fused kernels assume, and the any-count
+    ones (`kernel_table.Kernel.any_count`). The blocks past the count they leave alone, as every
+    fused kernel does."""
     S, P = layout.slice_elems, layout.nranks
     ptrs = [x.data.ptr, out.data.ptr]
     if state is not None and state.inputs.dtype.itemsize != 1:   # int8 blocks: aligned by format
         ptrs += [state.inputs.data.ptr + s * S * state.inputs.itemsize for s in range(P)] + [state.output.data.ptr]
-    return (x.size == out.size == layout.count and layout.count % SLICE_QUANTUM == 0
+    return (x.size == out.size == layout.count and (any_count or layout.count % SLICE_QUANTUM == 0)
             and not any(p & 15 for p in ptrs))
 
 
@@ -105,6 +107,23 @@ class FusedPaths:
         """Tiles T of a slice of ``layout`` in the two-shot and one_shot_q kernels."""
         return fused_tiles(layout.slice_elems, self.tiles)
 
+    def first_kernel(self, family: str, layout, x, out, state) -> Kernel:
+        """The kernel of a ``family`` call's first round (``"two_shot"``, ``"one_shot_q"``) where
+        `whole` is set: the whole-slice one where `_whole_slices` allows it, else its any-count twin
+        where there is one (`kernel_table.takes_any_count`) and the buffers allow it, else the
+        general one."""
+        t, r, _, _ = _types(x, state)
+        if family == "two_shot":
+            ref32 = state is not None and not state.rounding and t != "f32"
+            k = Kernel("two_shot", t, layout.name, r, "f32" if ref32 else "", True)
+        else:
+            k = Kernel("one_shot_q", t, layout.codec, r, whole=True)
+        if self.whole and _whole_slices(layout, x, out, state):
+            return k
+        if self.whole and takes_any_count(k) and _whole_slices(layout, x, out, state, any_count=True):
+            return replace(k, any_count=True)
+        return replace(k, whole=False)
+
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:
         """True when ``layout`` fits a region (growing it collectively if needed)."""
@@ -127,11 +146,9 @@ class FusedPaths:
         S, P = layout.slice_elems, self.size
         t, r, res_in, res_out = _types(x, state)
         grid = min(self.max_blocks, (2 * P - 1) * T)   # its work items (cuda_src/fused.cuh)
-        ref32 = state is not None and not state.rounding and t != "f32"
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, res_out, S, self.rank, P, T,
                 region.max_tiles, 0, region.table.data.ptr, region.ctl, self.timeout_ns]
-        whole = self.whole and _whole_slices(layout, x, out, state)
-        first = _Launch(Kernel("two_shot", t, layout.name, r, "f32" if ref32 else "", whole), grid, args)
+        first = _Launch(self.first_kernel("two_shot", layout, x, out, state), grid, args)
         if rounds == 1:
             return first
         args[1], args[11] = 0, 1   # a refinement round: no input (so never whole), accumulate
@@ -158,8 +175,7 @@ class FusedPaths:
         grid = min(self.max_blocks, 2 * P * T)
         args = [x.data.ptr, x.size, out.data.ptr, out.size, res_in, S, self.rank, P, T, region.max_tiles, 0,
                 region.table.data.ptr, region.ctl, self.timeout_ns]
-        whole = self.whole and _whole_slices(layout, x, out, state)
-        first = _Launch(Kernel("one_shot_q", t, layout.codec, r, whole=whole), grid, args)
+        first = _Launch(self.first_kernel("one_shot_q", layout, x, out, state), grid, args)
         if rounds == 1:
             return first
         args[1], args[10] = 0, 1   # a refinement round

@@ -11,7 +11,8 @@ line per kernel of this table, so the CUDA entry points and the names the launch
   (input, residual, reference) type the schedules use, dequantize and its sum of parts for each
   output type, the fused two-shot (and its float32-reference owner for 16-bit data, for
   ``Feedback(rounding=False)``) and quantized one-shot for each (input, residual), each for any
-  slices and for slices that lie whole in aligned buffers; for each pair of codecs (`PAIRS`:
+  slices and for slices that lie whole in aligned buffers (the two-shots whose phases all run 16
+  elements a thread also for counts that are not a multiple of 512); for each pair of codecs (`PAIRS`:
   int4-h32 contributions, int7-h32 sums) the owner's reduce_quantize and the fused two-shot (the
   rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
   its output is a run-time argument.
@@ -67,7 +68,9 @@ class Kernel:
     for the fused two-shot, contributions / sums), ``res`` (residual type), ``ref`` (reduce_quantize:
     its reference type; two_shot: ``"f32"`` for the owner whose residual leaves out its output's
     rounding), ``whole`` (two_shot, one_shot_q: the kernel for slices that lie whole in 16-byte
-    aligned buffers)."""
+    aligned buffers, a multiple of 512 elements), ``any_count`` (the whole two-shot for a count
+    that is not a multiple of 512: the last 512-element block read zero-filled and stored up to
+    the count; only where `takes_any_count`)."""
 
     family: str
     dtype: str
@@ -75,6 +78,7 @@ class Kernel:
     res: str = ""
     ref: str = ""
     whole: bool = False
+    any_count: bool = False
 
     @property
     def name(self) -> str:
@@ -83,7 +87,8 @@ class Kernel:
             return f"echo_reduce_quantize_{self.dtype}_res{self.res}_ref{self.ref}{cid}"
         if self.family in ("dequantize", "dequantize_sum", "one_shot", "one_shot_ll"):
             return f"echo_{self.family}_{self.dtype}{cid}"
-        suffix = ("_ref32" if self.family == "two_shot" and self.ref == "f32" else "") + ("_whole" if self.whole else "")
+        suffix = (("_ref32" if self.family == "two_shot" and self.ref == "f32" else "")
+                  + ("_whole" if self.whole else "") + ("_any" if self.any_count else ""))
         return f"echo_{self.family}_{self.dtype}_res{self.res}{cid}{suffix}"
 
     @property
@@ -107,8 +112,21 @@ class Kernel:
         whole = "true" if self.whole else "false"
         if f == "two_shot":
             return (f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {g1}, {id1}, {g2}, {id2}, {whole}, "
-                    f"{'true' if self.ref == 'f32' else 'false'})")
+                    f"{'true' if self.ref == 'f32' else 'false'}, {'true' if self.any_count else 'false'})")
         return f"ECHO_ONE_SHOT_Q_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole})"
+
+
+def takes_any_count(k: Kernel) -> bool:
+    """Whether whole-slice kernel ``k`` has an any-count twin (``any_count=True``): the two-shots
+    whose phases all run 16 elements a thread (16-bit data, residuals of its type or int8, the
+    owner's float32 reference: ``rounding=False``; cuda_src/fused.cuh's kLoop16)."""
+    return (k.family == "two_shot" and k.whole and not k.any_count and k.dtype != "f32"
+            and k.res in (k.dtype, "i8") and k.ref == "f32")
+
+
+def _with_any_count(kernels: list[Kernel]) -> list[Kernel]:
+    return kernels + [Kernel(k.family, k.dtype, k.codec, k.res, k.ref, True, True)
+                      for k in kernels if takes_any_count(k)]
 
 
 def _codec_kernels(codec: str) -> list[Kernel]:
@@ -121,7 +139,7 @@ def _codec_kernels(codec: str) -> list[Kernel]:
             if t != "f32":    # float32 data: the owner's reference is float32 anyway
                 out += [Kernel("two_shot", t, codec, r, "f32", w) for r in residuals(t)]
             out += [Kernel("one_shot_q", t, codec, r, whole=w) for r in residuals(t)]
-    return out
+    return _with_any_count(out)
 
 
 def _pair_kernels(pair: str) -> list[Kernel]:
@@ -132,7 +150,7 @@ def _pair_kernels(pair: str) -> list[Kernel]:
             out += [Kernel("two_shot", t, pair, r, whole=w) for r in residuals(t)]
             if t != "f32":
                 out += [Kernel("two_shot", t, pair, r, "f32", w) for r in residuals(t)]
-    return out
+    return _with_any_count(out)
 
 
 ALL: tuple[Kernel, ...] = tuple(k for c in CODECS for k in _codec_kernels(c)) + tuple(

@@ -122,9 +122,9 @@ class _Buf:
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
-    """The `_whole` fused kernel (no bounds tests) is chosen only when x and out hold the count, a
-    multiple of 512 (the last slices may end early or be empty), and every buffer, each rank's
-    input residuals included, is 16-byte aligned."""
+    """The `_whole` fused kernel is chosen only when x and out hold the count, a multiple of 512 (the
+    last slices may end early or be empty), or any count for an any-count kernel, and every buffer,
+    each rank's input residuals included, is 16-byte aligned."""
     from types import SimpleNamespace
 
     from echonccl.layout import Layout
@@ -135,6 +135,9 @@ def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
     x, out = _Buf(P * S, 3 << 20), _Buf(P * S, 4 << 20)
     assert fused._whole_slices(L, x, out, res) and fused._whole_slices(L, x, x, None)
     assert not fused._whole_slices(Layout(P * 4096 - 1, P), _Buf(P * 4096 - 1, 3 << 20), out, res)
+    n = P * 4096 - 1                                      # an any-count kernel
+    assert fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, 4 << 20), res, any_count=True)
+    assert not fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, (4 << 20) + 2), res, any_count=True)
     for n in (P * 4096 - 512, 512):                       # ragged, or all in slice 0
         Ln = Layout(n, P, "int4-h32")
         assert Ln.slice_elems == (S if n > 512 else 512)
@@ -148,3 +151,39 @@ def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
     assert not fused._whole_slices(L, x, out, odd)
     int8 = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 8, "int8"), output=_Buf(S, (2 << 20) + 8, "int8"))
     assert fused._whole_slices(L, x, out, int8)
+
+
+@pytest.mark.parametrize("P", [2, 8])
+def test_first_kernel_whole_then_any_count_then_general(P):
+    """`FusedPaths.first_kernel`: on aligned buffers the whole-slice kernel for a multiple of 512, its
+    any-count twin for another count where the table has one (the default options' two-shot), the
+    general kernel where it has none (``rounding=True``, one_shot_q) or a buffer is off alignment."""
+    from types import SimpleNamespace
+
+    import ml_dtypes
+
+    from echonccl.codec import DEFAULT_CODEC
+    from echonccl.layout import Layout
+
+    paths = object.__new__(fused.FusedPaths)
+    paths.whole = True
+    bf = ml_dtypes.bfloat16
+
+    def first(family, n, off=0, rounding=False):
+        L = Layout(n, P, DEFAULT_CODEC)
+        S = L.slice_elems
+        state = SimpleNamespace(inputs=_Buf(P * S, 1 << 20, bf), output=_Buf(S, 2 << 20, bf), rounding=rounding)
+        return paths.first_kernel(family, L, _Buf(n, 3 << 20, bf), _Buf(n, (4 << 20) + 2 * off, bf), state)
+
+    whole, odd = P * 8192, P * 8192 - 17
+    assert first("two_shot", whole).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole"
+    assert first("two_shot", odd).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole_any"
+    assert first("two_shot", odd, off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"
+    assert first("two_shot", whole, off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"
+    assert first("two_shot", odd, rounding=True).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32"
+    assert first("one_shot_q", odd).name == "echo_one_shot_q_bf16_resbf16_int4_h32"
+    assert first("one_shot_q", whole).name == "echo_one_shot_q_bf16_resbf16_int4_h32_whole"
+    paths.whole = False                                   # the tools' general kernels everywhere
+    assert not first("two_shot", whole).whole and not first("two_shot", odd).whole
+    for k in (first("two_shot", odd), first("one_shot_q", odd)):
+        assert k in kernel_table.BY_NAME.values(), k.name

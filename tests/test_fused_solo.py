@@ -248,6 +248,7 @@ class _EmuLaunch:
             x, x_n, out, count, res_in, S, rank, P, T, mt, acc, table, ctl, _ = a
             res_out = 0
         assert acc == 0 and x_n == count and rank == 0
+        assert not kern.whole or kern.any_count or count % 512 == 0, (kern.name, count)
         L = Layout(count, P, kern.codec)
         assert L.slice_elems == S
         B, k, dt, rdt = L.slice_bytes, NumpyKernels(), _DT[kern.dtype], _DT[kern.res]
@@ -400,7 +401,7 @@ def emulated_gpu(monkeypatch):
 def test_run_solo_end_to_end_on_an_emulated_gpu(emulated_gpu):
     """Every kernel at P = 2, 3, 4, slices whole and ragged: no wait left unsatisfied (arm before
     every launch, epochs 1, 2, ... of each region), the first call the reference, later calls
-    finite, the whole-slice kernel where slices are whole."""
+    finite, the whole-slice kernel where slices are whole, the two-shot's any-count twin where not."""
     whole, ragged = 2 * 3 * 4 * 1024, 2 * 5000         # bytes of bf16
     res = fused_solo.run_solo([2, 3, 4], [whole, ragged], iters=2, reps=2)
     for (P, nbytes), cases in res.items():
@@ -408,7 +409,8 @@ def test_run_solo_end_to_end_on_an_emulated_gpu(emulated_gpu):
             what = f"P={P} {nbytes} {kn}"
             assert c.fits and c.check == "ok", f"{what}: {c.check}"
             assert c.times == [12.5, 12.5], what
-            assert c.whole == (kn.endswith("whole") and nbytes == whole), what
+            assert c.whole == (kn == "whole" or (kn == "q_whole" and nbytes == whole)), what
+            assert c.any_count == (kn == "whole" and nbytes != whole), what
     # 6 (P, size), 4 kernels: the check, then 2 reps of 3 warm-ups and 2 timed calls
     names = [n for n, _, _ in _EmuLaunch.launches]
     assert len(names) == 6 * 4 * (1 + 2 * (3 + 2))

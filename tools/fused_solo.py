@@ -281,6 +281,7 @@ class Case:
     times: list = field(default_factory=list)
     check: str = ""          # "ok", or what differed; "" before the check ran
     whole: bool = False      # the whole-slice kernel ran (a "whole" one falls back on ragged slices)
+    any_count: bool = False  # ... its any-count twin (the count not a multiple of 512)
     fits: bool = True
     later: dict = field(default_factory=dict)   # two-shot, --phases: "owner" / "decode": the times of
                                                 # launches that start there (the phases before skipped)
@@ -442,7 +443,8 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 prepare = p.prepare_two_shot if family == "two_shot" else p.prepare_one_shot_q
                 run, _ = prepare(layout, x, out, state)
                 runs[kn] = run
-                cases[kn].whole = p.whole and fused._whole_slices(layout, x, out, state)
+                first = p.first_kernel(family, layout, x, out, state)
+                cases[kn].whole, cases[kn].any_count = first.whole, first.any_count
                 region = p.peers.regions[-1]
                 # the checked first call: zero residuals, as the peers' data assumes
                 for r in (state.inputs, state.output):
@@ -559,6 +561,8 @@ def table(P, cases_by_size, kernels, iters, copy_tbs, floors, graph=False) -> st
                 cell += " (!)"
             if kn.endswith("whole") and c.fits and not c.whole:
                 cell += " (general)"
+            elif c.fits and c.any_count:
+                cell += " (any count)"
             cells.append(cell)
         lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
     fams = [f for f in ("two_shot", "one_shot_q") if any(FAMILY[kn] == f for kn in kernels)]

@@ -390,9 +390,12 @@ def check_fused_reference():
     take turns): outputs and both residuals bit for bit, every codec, every dtype and residual
     dtype, rounds 1 and 2, sizes that run the general kernel and those (multiples of 512) that run the
     `_whole` one: 3 * 2^15, and 5 * 2^12, whose slices end inside a 2048-element chunk at 4 and 8
-    ranks, 37 * 512 (the last slice ends early) and 3 * 512 (at 4 and 8 ranks, slices with nothing);
-    at 37 * 512 rank 0's buffers are one element off 16-byte alignment, so rank 0 runs the general
-    kernel and its peers the whole one, which must agree on what they leave alone past the count;
+    ranks, 37 * 512 (the last slice ends early) and 3 * 512 (at 4 and 8 ranks, slices with nothing),
+    and counts that run the any-count twin where there is one (`kernel_table.takes_any_count`), the
+    general kernel elsewhere: 513 and 3 * 8192 + 17 (the last 512-element block in part);
+    at 37 * 512 and 3 * 8192 + 17 rank 0's buffers are one element off 16-byte alignment, so rank 0
+    runs the general kernel and its peers the whole or any-count one, which must agree on what they
+    leave alone past the count;
     at 100_003 every rank's buffers are off alignment, each by its own number of elements (the
     shifted loads and stores of the general loops); the one-shot equals the float32 sum in rank
     order rounded once."""
@@ -410,9 +413,9 @@ def check_fused_reference():
         return cupy.zeros(n, dtype=dt)
 
     # every codec
-    mixed, ragged = 37 * 512, 100_003
+    mixed, mixed_any, ragged = 37 * 512, 3 * 8192 + 17, 100_003
     runs = [(c, ("bfloat16", "float16", "float32"), ("float32", "input", "int8"),
-             (513, 3 * 8192 + 17, ragged, 3 << 15, 5 << 12, mixed, 3 * 512)) for c in CODECS]
+             (513, mixed_any, ragged, 3 << 15, 5 << 12, mixed, 3 * 512)) for c in CODECS]
 
     def engine_array(x, off):
         """``x`` on the device, ``off`` elements into a larger buffer (off 1: misaligned)."""
@@ -436,10 +439,16 @@ def check_fused_reference():
                         yc = ref.all_reduce(x, feedback=fc, algorithm=algo, rounds=rounds)
                         # off 16-byte alignment: rank 0 beside whole-kernel peers (mixed); at `ragged`
                         # every rank, each by its own offset (at 8 ranks every one of a 16-byte word's)
-                        off = int(RANK == 0) if n == mixed else (3 * RANK + 1) % 8 if n == ragged else 0
+                        off = int(RANK == 0) if n in (mixed, mixed_any) else (3 * RANK + 1) % 8 if n == ragged else 0
                         xg = engine_array(x, off)
                         out = engine_array(np.zeros_like(x), off)
-                        assert fz._whole_slices(L, xg, out, state) == (n % 512 == 0 and not off), n
+                        # where buffers are aligned: the whole-slice kernel for multiples of 512,
+                        # else its any-count twin where its phases all run 16 elements a thread
+                        loop16 = (algo == "two_shot" and not rounding and dt != "float32"
+                                  and rdt in ("input", "int8"))
+                        k = paths.first_kernel(algo, L, xg, out, state)
+                        assert k.whole == (not off and (n % 512 == 0 or loop16)), (n, k.name)
+                        assert k.any_count == (k.whole and n % 512 != 0), (n, k.name)
                         run(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
                         what = f"fused {algo} rounding={rounding} {codec_name} {dt} res={rdt} n={n} call={t}"
