@@ -118,10 +118,11 @@ class FusedPaths:
             k = Kernel("two_shot", t, layout.name, r, "f32" if ref32 else "", True)
         else:
             k = Kernel("one_shot_q", t, layout.codec, r, whole=True)
-        if self.whole and _whole_slices(layout, x, out, state):
-            return k
-        if self.whole and takes_any_count(k) and _whole_slices(layout, x, out, state, any_count=True):
-            return replace(k, any_count=True)
+        if self.whole and _whole_slices(layout, x, out, state, any_count=True):   # aligned, one count
+            if layout.count % SLICE_QUANTUM == 0:
+                return k
+            if takes_any_count(k):
+                return replace(k, any_count=True)
         return replace(k, whole=False)
 
     # -- two-shot ---------------------------------------------------------------------------

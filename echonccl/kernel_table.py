@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # ------------------------------------------------------------------ launch constants
@@ -125,8 +125,7 @@ def takes_any_count(k: Kernel) -> bool:
 
 
 def _with_any_count(kernels: list[Kernel]) -> list[Kernel]:
-    return kernels + [Kernel(k.family, k.dtype, k.codec, k.res, k.ref, True, True)
-                      for k in kernels if takes_any_count(k)]
+    return kernels + [replace(k, any_count=True) for k in kernels if takes_any_count(k)]
 
 
 def _codec_kernels(codec: str) -> list[Kernel]:
