@@ -44,11 +44,14 @@ if [[ $what == tests || $what == all ]]; then
   else
     "$PY" -m pytest -q -ra "${tests[@]}" || status=1
   fi
-  # A rank a call ahead of a slow peer (tests/mpi/checks.py check_fused_skew) races only when the
-  # ranks' kernels run at once: on one GPU that needs MPS, which no pytest process may hold the GPU
-  # beside, so it runs here, after pytest.
+  # On one GPU, under MPS (which no pytest process may hold the GPU beside), after pytest:
+  # a rank a call ahead of a slow peer (tests/mpi/checks.py check_fused_skew) races only when the
+  # ranks' kernels run at once; and eight ranks' fused kernels against the reference (pytest's
+  # test_gpu_single skips them on one GPU: taking turns, they wait a time slice for each flag).
   if [[ $("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())') -lt 2 ]]; then
     timeout 120 bash "$root/tools/with_mps.sh" $LAUNCH "$root/tests/mpi/checks.py" fused_skew gpu || status=1
+    timeout 300 bash "$root/tools/with_mps.sh" "$PY" "$root/tools/launch.py" -n 8 "$root/tests/mpi/checks.py" \
+        fused_reference gpu || status=1
   fi
 fi
 if [[ $what == kernels || $what == all ]]; then

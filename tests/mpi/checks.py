@@ -398,7 +398,8 @@ def check_fused_reference():
     leave alone past the count;
     at 100_003 every rank's buffers are off alignment, each by its own number of elements (the
     shifted loads and stores of the general loops); the one-shot equals the float32 sum in rank
-    order rounded once."""
+    order rounded once. Ranks sharing a GPU split its blocks, so that their kernels may also run at
+    once (under MPS: tools/gpu_suite.sh)."""
     import cupy
 
     from echonccl import fused as fz
@@ -408,6 +409,8 @@ def check_fused_reference():
     cupy.cuda.Device(RANK % cupy.cuda.runtime.getDeviceCount()).use()
     dup = WORLD.Dup()
     paths = fz.FusedPaths(dup, dup.allgather, RANK, P, 60.0, lambda: False)
+    dev = cupy.cuda.runtime.getDevice()
+    paths.max_blocks //= WORLD.allgather(dev).count(dev)   # every rank's grid resident at once (MPS)
 
     def zeros(n, dt):
         return cupy.zeros(n, dtype=dt)
