@@ -35,7 +35,7 @@
 // word of packed codes (int7-h32: and a u16 and a byte of their high bits). A group of G elements = G/8 consecutive lanes of one
 // warp; its amax / non-finite flag is reduced with __shfl_xor_sync among them.
 // (reduce_quantize_block32 and dequantize_block32, int4-h32 at G = 32 in the standalone kernels:
-// one thread = a 32-element block; a warp's blocks staged through shared memory, codec_base.cuh.)
+// one thread = a 32-element block; a warp's blocks staged through shared memory, staging.cuh.)
 // The host guarantees S % 512 == 0 (so the thread count is a multiple of 64
 // and every warp is entirely inside or outside the grid-stride range: the
 // full-mask shuffles are safe), and 4-byte aligned wire buffers (slices start
@@ -44,7 +44,9 @@
 #define ECHO_CODEC_CUH
 
 // The parts, each self-contained (it includes what it needs):
-//   codec_base.cuh       build knobs, float32 ops, element types, 8-element loads / stores
+//   codec_base.cuh       launch constants, float32 ops, element types, 8-element loads / stores
+//   staging.cuh          global memory through shared memory: staged warp runs, cp.async rings
+//   residual.cuh         the residual formats (the input's type, float32, int8 blocks)
 //   codec_wire.cuh       the wire format: codes, scales, the codecs' geometry
 //   rotation.cuh         the rotated codecs' 32-point Hadamard transform
 //   reduce_quantize.cuh  sum + quantize with error feedback (contribution and owner)

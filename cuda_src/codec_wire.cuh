@@ -4,7 +4,7 @@
 #ifndef ECHO_CODEC_WIRE_CUH
 #define ECHO_CODEC_WIRE_CUH
 
-#include "codec_base.cuh"
+#include "staging.cuh"
 
 namespace echo {
 

@@ -4,6 +4,7 @@
 #define ECHO_REDUCE_QUANTIZE_CUH
 
 #include "codec_wire.cuh"
+#include "residual.cuh"
 #include "rotation.cuh"
 
 namespace echo {
@@ -144,7 +145,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
     const u32 z16 = rot_sign_word16(lb);
     // Software pipelining: the next grid-stride chunk's own input and residual are loaded while
     // this one is computed (bytes in flight during the arithmetic): with 16-bit input and residual
-    // through the shared-memory ring (codec_base.cuh), whatever of them lies whole and aligned
+    // through the shared-memory ring (staging.cuh), whatever of them lies whole and aligned
     // (the rest is loaded when used), else into registers.
     constexpr bool kRing = sizeof(InT) == 2 && sizeof(ResT) == 2;
     const bool has_res = residual != nullptr;
@@ -527,7 +528,7 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
 // reduce_quantize_loop (the same operations on the same operands, in the same order). For the
 // standalone kernels of int4-h32 at G = 32 (kBlock32Rq), no base, every buffer whole and 16-byte
 // aligned (its kFull). kStage (float32 data, or bfloat16 input): the own input comes through a
-// warp's staging area and the residual is copied into it while the sum runs (codec_base.cuh:
+// warp's staging area and the residual is copied into it while the sum runs (staging.cuh:
 // load_chunks, stage_chunks_async), coalesced and in no register until it is added; float16 data
 // (each thread loads and stores its own 64 bytes) was measured faster unstaged. Incoming slices
 // are loaded kAhead slices ahead of their use. 128 registers (2 blocks of 256 a SM); the choices

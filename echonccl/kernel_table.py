@@ -2,10 +2,10 @@
 and the CUDA source that defines them.
 
 The templates live in ``cuda_src/`` (``kernels.cuh``: the NCCL path's codec kernels;
-``fused.cuh``: the peer-memory kernels; both over ``codec.cuh`` and its parts). Each header ends
-with one ``ECHO_*_KERNEL`` macro per family; `source` writes the launch constants and one macro
-line per kernel of this table, so the CUDA entry points and the names the launch side uses
-(`Kernel.name`) come from here alone. Nothing else instantiates a kernel.
+``fused.cuh`` and ``fused_one_shot.cuh``: the peer-memory kernels; all over ``codec.cuh`` and its
+parts). These headers end with one ``ECHO_*_KERNEL`` macro per family; `source` writes the launch
+constants and one macro line per kernel of this table, so the CUDA entry points and the names the
+launch side uses (`Kernel.name`) come from here alone. Nothing else instantiates a kernel.
 
 * `ALL`: every kernel a documented option can run: for each wire codec, reduce_quantize for each
   (input, residual, reference) type the schedules use, dequantize and its sum of parts for each
@@ -96,7 +96,7 @@ class Kernel:
         return self.family in FUSED_FAMILIES
 
     def line(self) -> str:
-        """The macro line that defines this kernel (cuda_src/kernels.cuh, fused.cuh)."""
+        """The macro line that defines this kernel (cuda_src/kernels.cuh, fused.cuh, fused_one_shot.cuh)."""
         f, t = self.family, self.dtype
         if f in ("one_shot", "one_shot_ll"):
             return f"ECHO_{f.upper()}_KERNEL({self.name}, {t})"
@@ -119,7 +119,7 @@ class Kernel:
 def takes_any_count(k: Kernel) -> bool:
     """Whether whole-slice kernel ``k`` has an any-count twin (``any_count=True``): the two-shots
     whose phases all run 16 elements a thread (16-bit data, residuals of its type or int8, the
-    owner's float32 reference: ``rounding=False``; cuda_src/fused.cuh's kLoop16)."""
+    owner's float32 reference: ``rounding=False``; cuda_src/fused_phases.cuh's kLoop16)."""
     return (k.family == "two_shot" and k.whole and not k.any_count and k.dtype != "f32"
             and k.res in (k.dtype, "i8") and k.ref == "f32")
 
@@ -196,8 +196,9 @@ def lookup(name: str) -> Kernel:
 
 
 # ------------------------------------------------------------------------- sources
-SOURCE_NAMES = ("codec.cuh", "codec_base.cuh", "codec_wire.cuh", "rotation.cuh", "reduce_quantize.cuh",
-                "dequantize.cuh", "kernels.cuh", "fused.cuh")
+SOURCE_NAMES = ("codec.cuh", "codec_base.cuh", "staging.cuh", "residual.cuh", "codec_wire.cuh", "rotation.cuh",
+                "reduce_quantize.cuh", "dequantize.cuh", "kernels.cuh", "fused_sync.cuh", "fused_phases.cuh",
+                "fused_one_shot.cuh", "fused.cuh")
 # The compile flags, one definition: exact IEEE arithmetic (no fmad contraction, no flush to
 # zero, correctly rounded division and square root), C++17. NVRTC spells -std with two dashes.
 _FLAGS = ("--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")

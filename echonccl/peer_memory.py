@@ -6,7 +6,7 @@ handle over MPI; every rank opens every other rank's handle. This is how vLLM's 
 all-reduce and QuickReduce share buffers, and it works with any NCCL (NCCL's own symmetric
 memory would tie the kernels to the device-API headers of the NCCL loaded at run time).
 
-Region layout (offsets 256-byte aligned; ``cuda_src/fused.cuh`` reads the same)::
+Region layout (offsets 256-byte aligned; ``cuda_src/fused_sync.cuh`` reads the same)::
 
     ctl     256 B: epoch, ticket, done, error (u32 each; local use)
     epochs  u32[LL_BLOCKS]: the low-latency one-shot's per-block epochs (local use)
@@ -15,7 +15,7 @@ Region layout (offsets 256-byte aligned; ``cuda_src/fused.cuh`` reads the same):
     gather  P x slice_bytes: every owner's codes (two_shot's gather)
     push    2 parities x push_bytes: what the one-shots push (16-bit inputs; one_shot_q's parts),
             the half of a call's epoch parity (a rank can be at most one call ahead of another,
-            and these are read until the end of a call: ``cuda_src/fused.cuh``)
+            and these are read until the end of a call: ``cuda_src/fused_sync.cuh``)
     ll      2 parities x (P - 1) slots x LL_WORDS lines of 8 bytes {4 data bytes, epoch}
 
 A `PeerTable` (device array of 8-byte words, per rank: recv, gather, flags, ll; the other ranks'
@@ -51,7 +51,7 @@ def fused_tiles(slice_elems: int, most: int = 0) -> int:
     At most 512 tiles up to `SMALL_SLICE_CHUNKS` chunks, 1024 above (two H200s, fused two-shot:
     512 tiles made 8-32 MiB 8-17% faster, 1024 made 128-512 MiB 3-12% faster; BENCHMARKS.md);
     ``most`` > 0 sets the most instead (`FusedPaths.tiles`: the tools' ``--tiles``). A tile holds two chunks or more where the slice has them: one
-    step of the 16-element loops (cuda_src/fused.cuh), whose block halves take two chunks at once."""
+    step of the 16-element loops (cuda_src/fused_phases.cuh), whose block halves take two chunks at once."""
     chunks = -(-(slice_elems // 8) // CHUNK)
     most = most or (512 if chunks <= SMALL_SLICE_CHUNKS else 1024)
     return max(1, min(-(-chunks // 2), most))

@@ -47,7 +47,7 @@ def test_region_parts_are_aligned_and_disjoint(P, slice_bytes, tiles, push):
 def test_peer_table_matches_the_kernels_struct():
     """`peer_table`: recv, gather, flags, ll of every rank, the other ranks' gather areas in ring
     order, every rank's push area, the other ranks' push areas, then the push parity's bytes
-    (fused.cuh's PeerTable, 8-byte words)."""
+    (fused_sync.cuh's PeerTable, 8-byte words)."""
     M, P, rank = peer_memory.MAX_RANKS, 3, 1
     lay = region_layout(P, 4096, 64, 1000)
     bases = [1 << 40, 2 << 40, 3 << 40]
@@ -57,7 +57,7 @@ def test_peer_table_matches_the_kernels_struct():
         assert [t[k * M + s] for k in (0, 1, 2, 3, 5)] == [b + lay[n] for n in ("recv", "gather", "flags", "ll", "push")]
     assert [t[4 * M + k] for k in range(P - 1)] == [bases[2] + lay["gather"], bases[0] + lay["gather"]]
     assert [t[6 * M + k] for k in range(P - 1)] == [bases[2] + lay["push"], bases[0] + lay["push"]]
-    src = (kernel_table.source_dir() / "fused.cuh").read_text()
+    src = (kernel_table.source_dir() / "fused_sync.cuh").read_text()
     body = src[src.index("struct PeerTable {"):src.index("};", src.index("struct PeerTable {"))]
     fields = [ln.split("//")[0].split() for ln in body.splitlines()[1:]]
     assert [f[-1].split("[")[0].rstrip(";") for f in fields if f] == ["recv", "gather", "flags", "ll", "gather_peers", "push",
