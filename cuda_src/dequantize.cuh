@@ -42,9 +42,10 @@ __device__ __forceinline__ void store_values8(OutT* __restrict__ out, i64 e0, i6
 // lane of a warp then runs (the thread count is rounded up to whole warps, the
 // stores still stop at count) and rotates before the NaN-scale branch.
 // kFull: the slice lies whole inside `out`, which is 16-byte aligned (dequantize_body checks).
-// kPeer (the fused kernels: the wire in peer memory): a 16-bit `out` off 16-byte alignment is also
-// written 8 elements at a time (store8's kShift).
-template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
+// kPeer (the fused kernels): the wire is in peer memory (ld_wire_u32's). kShift (the fused kernels'
+// 8-element loops): a 16-bit `out` off 16-byte alignment is also written 8 elements at a time
+// (store8's kShift).
+template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull, bool kShift>
 __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
@@ -85,14 +86,14 @@ __device__ __forceinline__ void dequantize_loop(const unsigned char* __restrict_
             }
             const u32 nan_bits = unit_nan<G, kCodec>(sbits[u], t);
             if (nan_bits != 0u) {  // a NaN scale: a non-finite unit
-                store_nan8<OutT, kFull, kPeer>(out, base + (t << 3), count, vec, nan_bits);
+                store_nan8<OutT, kFull, kShift>(out, base + (t << 3), count, vec, nan_bits);
             } else {
                 if constexpr (!kRot) {
                     decode_codes<kCodec>(w[u], v);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], scale);
                 }
-                store_values8<OutT, kAcc, kFull, kPeer>(out, base + (t << 3), count, vec, v);
+                store_values8<OutT, kAcc, kFull, kShift>(out, base + (t << 3), count, vec, v);
             }
         }
     }
@@ -189,9 +190,9 @@ struct Terms {
 // every part added in float32 in part order (from -0, so one part decodes as dequantize_loop does),
 // rotated back once; a unit whose scale is NaN in any part stores the first such part's NaN, and a
 // unit whose sum overflows float32 stores the NaN of the codec's NaN scale (what a two-shot owner's
-// quantizer makes of it). Same thread ranges, kPeer and kFull as dequantize_loop; every lane of a warp
-// runs, whatever the codec (the rotation, the unit's overflow test).
-template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull>
+// quantizer makes of it). Same thread ranges, kPeer, kFull and kShift as dequantize_loop; every lane of
+// a warp runs, whatever the codec (the rotation, the unit's overflow test).
+template <typename OutT, int G, bool kAcc, int kCodec, bool kPeer, bool kFull, bool kShift>
 __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
                                                     i64 slice, i64 t_first, i64 t_end, i64 stride) {
     using W = Wire<G, kCodec>;
@@ -240,9 +241,9 @@ __device__ __forceinline__ void dequantize_sum_loop(const Terms& terms, OutT* __
         if (nan_bits == 0u && amax >= 0x7f800000u) nan_bits = kScaleNaN;   // (a bfloat16 scale's too)
         if constexpr (W::kRot) rot_inverse8(acc, (int)(t & (kRotLanes - 1)));
         if (nan_bits != 0u)
-            store_nan8<OutT, kFull, kPeer>(out, base + (t << 3), count, vec, nan_bits);
+            store_nan8<OutT, kFull, kShift>(out, base + (t << 3), count, vec, nan_bits);
         else
-            store_values8<OutT, kAcc, kFull, kPeer>(out, base + (t << 3), count, vec, acc);
+            store_values8<OutT, kAcc, kFull, kShift>(out, base + (t << 3), count, vec, acc);
     }
 }
 
@@ -316,20 +317,20 @@ __device__ __forceinline__ void dequantize_block32(const unsigned char* __restri
     }
 }
 
-template <typename OutT, int G, bool kAcc, int kCodec = kInt4, bool kPeer = false>
+template <typename OutT, int G, bool kAcc, int kCodec = kInt4>
 __device__ __forceinline__ void dequantize_body(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                 i64 count, i64 S, i64 slice, i64 t_first, i64 t_end,
                                                 i64 stride) {
-    if constexpr (!kPeer && kBlock32Dequantize<OutT, G, kCodec>) {
+    if constexpr (kBlock32Dequantize<OutT, G, kCodec>) {
         if (aligned16(out) && aligned16(wire) && count - slice * S >= S) {
             dequantize_block32<OutT, kAcc>(wire, out, S, slice, t_first, stride);
             return;
         }
     }
     if (aligned16(out) && count - slice * S >= S)
-        dequantize_loop<OutT, G, kAcc, kCodec, kPeer, true>(wire, out, count, S, slice, t_first, t_end, stride);
+        dequantize_loop<OutT, G, kAcc, kCodec, false, true, false>(wire, out, count, S, slice, t_first, t_end, stride);
     else
-        dequantize_loop<OutT, G, kAcc, kCodec, kPeer, false>(wire, out, count, S, slice, t_first, t_end, stride);
+        dequantize_loop<OutT, G, kAcc, kCodec, false, false, false>(wire, out, count, S, slice, t_first, t_end, stride);
 }
 
 // dequantize_sum_loop without bounds tests where the slice lies whole in an aligned `out` (as
@@ -338,9 +339,11 @@ template <typename OutT, int G, bool kAcc, int kCodec>
 __device__ __forceinline__ void dequantize_sum_body(const Terms& terms, OutT* __restrict__ out, i64 count, i64 S,
                                                     i64 slice, i64 t_first, i64 t_end, i64 stride) {
     if (aligned16(out) && count - slice * S >= S)
-        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, true>(terms, out, count, S, slice, t_first, t_end, stride);
+        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, true, false>(terms, out, count, S, slice, t_first, t_end,
+                                                                      stride);
     else
-        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, false>(terms, out, count, S, slice, t_first, t_end, stride);
+        dequantize_sum_loop<OutT, G, kAcc, kCodec, false, false, false>(terms, out, count, S, slice, t_first, t_end,
+                                                                       stride);
 }
 
 }  // namespace echo

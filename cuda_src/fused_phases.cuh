@@ -172,9 +172,9 @@ template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
 __device__ __forceinline__ void decode8_body(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                              i64 t_first, i64 t_end, i64 stride, int accumulate) {
     if (kAdd && accumulate)
-        dequantize_loop<T, G, true, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, t_end, stride);
+        dequantize_loop<T, G, true, kCodec, true, kWhole, true>(wire, out, count, S, slice, t_first, t_end, stride);
     else
-        dequantize_loop<T, G, false, kCodec, true, kWhole>(wire, out, count, S, slice, t_first, t_end, stride);
+        dequantize_loop<T, G, false, kCodec, true, kWhole, true>(wire, out, count, S, slice, t_first, t_end, stride);
 }
 template <typename T, int G, int kCodec, bool kWhole, bool kAdd>
 __device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice, i64 t_first,
@@ -214,10 +214,10 @@ __device__ __noinline__ void phase_decode_sum(const Terms& terms, T* out, i64 co
                                               i64 ntiles, int accumulate) {
     const i64 t_end = (kWhole ? slice_valid(count, slice, S) : S) >> 3;
     if (accumulate)
-        dequantize_sum_loop<T, G, true, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
+        dequantize_sum_loop<T, G, true, kCodec, true, kWhole, true>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
                                                              t_end, ntiles * kChunk);
     else
-        dequantize_sum_loop<T, G, false, kCodec, true, kWhole>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
+        dequantize_sum_loop<T, G, false, kCodec, true, kWhole, true>(terms, out, count, S, slice, j * kChunk + threadIdx.x,
                                                               t_end, ntiles * kChunk);
 }
 
