@@ -68,10 +68,10 @@ def test_prebuilt_kernels_for_each_architecture(prebuilt):
 # Spill bytes (stored + loaded) ptxas reports on sm_90, at most: none in the standalone kernels,
 # except int4-h32's float32 owner with float32 residuals, which runs a 32-element block a thread
 # (reduce_quantize.cuh, kBlock32Rq) and was measured faster so: 92 bytes; int7-h32's 16-bit decodes
-# (kernels.cuh, kDqMinBlocks): 68; int4-h32's 16-bit contributions: 56 (BENCHMARKS.md, section 3);
-# the float32 decodes (32 registers), since the wire's chunks: 20. The fused kernels
-# (80 registers) spill a little in their loop control and their phases; the default path's
-# (bfloat16, whole slices) is held to what it spilled when it was last measured.
+# (kernels.cuh, kDqMinBlocks): 68; int4-h32's 16-bit contributions: 56 (docs/notes/fused.md, "The
+# levers", the quantizer's row); the float32 decodes (32 registers), since the wire's chunks: 20.
+# The fused kernels (80 registers) spill a little in their loop control and their phases; the
+# default path's (bfloat16, whole slices) is held to what it spilled when it was last measured.
 _DEFAULT_FUSED = {"echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole": 24,
                   "_ZN4echo12phase_reduceINS_6bf16_tES1_fLi16ELi2ELi32ELi1ELb1ELb0E": 0,
                   "_ZN4echo16phase_contributeINS_6bf16_tES1_Li32ELi1ELb1ELb0E": 0,
