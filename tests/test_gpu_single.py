@@ -4,7 +4,7 @@ bit-exact with the reference. Skipped without a GPU."""
 import numpy as np
 import pytest
 
-from conftest import needs_gpus
+from conftest import needs_gpus, visible_gpus
 
 pytestmark = needs_gpus(1)
 
@@ -45,9 +45,7 @@ def test_fused_kernels_match_the_reference_ranks_sharing_one_gpu(mpirun, ranks):
     (tests/mpi/checks.py check_fused_reference). Eight ranks taking turns on one GPU wait on
     each other's flags a time slice at a time (some 0.1 s a case, over 6 minutes): there
     tools/gpu_suite.sh runs them under MPS instead, their kernels at once."""
-    import cupy
-
-    if ranks == 8 and cupy.cuda.runtime.getDeviceCount() == 1:
+    if ranks == 8 and visible_gpus() == 1:
         pytest.skip("8 ranks on one GPU: tools/gpu_suite.sh runs them under MPS")
     res = mpirun(ranks, ["tests/mpi/checks.py", "fused_reference", "gpu"], timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

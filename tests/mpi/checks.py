@@ -383,6 +383,14 @@ def check_fused(dts=("bfloat16", "float16", "float32"), sizes=(1, 513, 3 * 8192 
 
 
 
+def ranks_sharing_gpu() -> int:
+    """How many ranks (this one included) run on this rank's current GPU (collective: every rank calls it)."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    return WORLD.allgather(dev).count(dev)
+
+
 def check_fused_reference():
     """The fused kernels (two_shot, with and without its output's rounding fed back, and one_shot_q,
     in turn) against the CPU reference directly,
@@ -412,8 +420,7 @@ def check_fused_reference():
     cupy.cuda.Device(RANK % cupy.cuda.runtime.getDeviceCount()).use()
     dup = WORLD.Dup()
     paths = fz.FusedPaths(dup, dup.allgather, RANK, P, 60.0, lambda: False)
-    dev = cupy.cuda.runtime.getDevice()
-    paths.max_blocks //= WORLD.allgather(dev).count(dev)   # every rank's grid resident at once (MPS)
+    paths.max_blocks //= ranks_sharing_gpu()   # every rank's grid resident at once (MPS)
 
     def zeros(n, dt):
         return cupy.zeros(n, dtype=dt)
@@ -496,8 +503,7 @@ def check_fused_skew():
     cupy.cuda.Device(RANK % cupy.cuda.runtime.getDeviceCount()).use()
     dup = WORLD.Dup()
     paths = fz.FusedPaths(dup, dup.allgather, RANK, P, 20.0, lambda: False)
-    dev = cupy.cuda.runtime.getDevice()
-    sharing = WORLD.allgather(dev).count(dev)     # ranks on one GPU (under MPS: all resident at once)
+    sharing = ranks_sharing_gpu()                 # (under MPS: all resident at once)
     paths.max_blocks = 1 if RANK == P - 1 else max(1, paths.max_blocks // sharing - 1)
     ref = echonccl.Communicator(engine="cpu")
     n = 3 << 19                                   # 3 MiB of bfloat16: the tiled one-shot
