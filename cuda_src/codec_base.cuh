@@ -205,6 +205,16 @@ __device__ __forceinline__ u32 raw_bits(const T* p) {
     else return *reinterpret_cast<const u16*>(p);
 }
 
+// Bytes [off, off + 16) of the 32 bytes lo then hi (0 <= off < 16): a run off 16-byte alignment
+// put together from the aligned words that hold it.
+__device__ __forceinline__ uint4 bytes_at(uint4 lo, uint4 hi, int off) {
+    if (off & 8) lo = make_uint4(lo.z, lo.w, hi.x, hi.y), hi = make_uint4(hi.z, hi.w, 0u, 0u);
+    if (off & 4) lo = make_uint4(lo.y, lo.z, lo.w, hi.x), hi.x = hi.y;
+    const u32 b = (u32)(off & 3) * 8u;
+    return make_uint4(__funnelshift_r(lo.x, lo.y, b), __funnelshift_r(lo.y, lo.z, b), __funnelshift_r(lo.z, lo.w, b),
+                      __funnelshift_r(lo.w, hi.x, b));
+}
+
 // The 16 bytes at a (2-byte aligned) from the one or two aligned 16-byte words that hold them
 // (never a word past the one holding a + 15, so no read leaves the 16-byte blocks the caller's
 // bytes lie in), shifted into place: what a misaligned 16-bit buffer reads 8 elements with.
@@ -213,14 +223,9 @@ __device__ __forceinline__ uint4 load16_shifted(const void* a) {
     const unsigned long long u = reinterpret_cast<unsigned long long>(a);
     const int off = (int)(u & 15u);
     const uint4* q = reinterpret_cast<const uint4*>(u - off);
-    uint4 lo = kReadOnly ? ldg16(q) : q[0];
+    const uint4 lo = kReadOnly ? ldg16(q) : q[0];
     if (off == 0) return lo;
-    uint4 hi = kReadOnly ? ldg16(q + 1) : q[1];
-    if (off & 8) lo = make_uint4(lo.z, lo.w, hi.x, hi.y), hi = make_uint4(hi.z, hi.w, 0u, 0u);
-    if (off & 4) lo = make_uint4(lo.y, lo.z, lo.w, hi.x), hi.x = hi.y;
-    const u32 b = (u32)(off & 3) * 8u;
-    return make_uint4(__funnelshift_r(lo.x, lo.y, b), __funnelshift_r(lo.y, lo.z, b), __funnelshift_r(lo.z, lo.w, b),
-                      __funnelshift_r(lo.w, hi.x, b));
+    return bytes_at(lo, kReadOnly ? ldg16(q + 1) : q[1], off);
 }
 
 // Store the 16 bytes w at a (2-byte aligned, not 16): four 4-byte stores, or where a is not

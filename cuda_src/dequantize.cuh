@@ -106,16 +106,17 @@ constexpr int kWireAhead = 2;
 // dequantize_loop for the fused kernels with 16 elements a thread (unit u: elements 16u .. 16u + 15
 // of the slice, the half u & 1 of a rotation block: stage h = 8 inside the thread, h = 16 with
 // lane ^ 1; reduce_quantize_loop16), over units [u_first, u_end) of slice `slice` that lie whole
-// in a 16-byte aligned `out` (u_end a multiple of 32), walked with `stride` (a multiple of 32); the
+// in `out`, 16-byte aligned unless kShift (u_end a multiple of 32), walked with `stride` (a multiple of 32); the
 // wire of each warp's step kWireAhead steps ahead in ring slot 1 (WarpWire16). Same bits as dequantize_loop.
 // kAny (the whole-slice kernels that take any count; never with kAcc): u_end is the slice's extent,
 // the slice holding n valid elements of `out`, its last 512-element block maybe in part (g_tail),
-// stored up to n.
-template <typename OutT, int G, bool kAcc, int kCodec, bool kAny = false>
+// stored up to n. kShift (the general kernels; never with kAcc): `out` may lie off 16-byte
+// alignment (unit16_store_at).
+template <typename OutT, int G, bool kAcc, int kCodec, bool kAny = false, bool kShift = false>
 __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restrict__ wire, OutT* __restrict__ out,
                                                   i64 S, i64 slice, i64 u_first, i64 u_end, i64 stride,
                                                   i64 n = 0) {
-    static_assert(!(kAny && kAcc), "the whole-slice kernels do not accumulate");
+    static_assert(!(kAny && kAcc) && !(kShift && (kAny || kAcc)), "the whole-slice kernels do not accumulate");
     if constexpr (kAny) g_tail = (int)(n & 511);
     using W = Wire<G, kCodec>;
     static_assert(Traits<OutT>::kBytes == 2 && G <= 32, "16-bit outputs, groups of at most 32");
@@ -170,7 +171,8 @@ __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restric
                 pack8f<OutT>(v[1], &ow[1]);
             }
             const i64 e = (u - lane) << 4;
-            if (kAny && u - lane + 32 == u_end && g_tail != 0)
+            if constexpr (kShift) unit16_store_at(warp_ring(0), out + base + e, shift16_of(out), ow[0], ow[1]);
+            else if (kAny && u - lane + 32 == u_end && g_tail != 0)
                 unit16_store_n(warp_ring(0), out + base + e, ow[0], ow[1], g_tail);
             else unit16_store(warp_ring(0), out + base + e, ow[0], ow[1]);
         }

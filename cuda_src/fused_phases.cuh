@@ -13,9 +13,11 @@ constexpr int kChunk = 256;   // threads per chunk (= ECHO_BLOCK): 2048 elements
 // (reduce_quantize_loop16, dequantize_loop16; the owner only with a float32 ref) where the slice
 // lies whole in aligned buffers: one cross-lane rotation stage instead of two, one thread an
 // int7-h32 group (one rank alone, P = 2, 1 GiB: 10% faster than 8 a thread; docs/notes/fused.md). The block's halves take
-// the tile's chunks two at a time (unit_first: a thread's first unit of tile j). In the general
-// kernels the 8-element loop takes what is left: a ragged slice's last warps of units, or every
-// slice of an unaligned buffer (tail_first: a thread's first 8-element index >= t0 in tile j).
+// the tile's chunks two at a time (unit_first: a thread's first unit of tile j). The general
+// kernels run them on input and output off 16-byte alignment too (the loops' kShift; residuals are
+// always aligned), and the 8-element loop takes what is left: a ragged slice's last warps of units
+// (tail_first: a thread's first 8-element index >= t0 in tile j), or the whole slice of a
+// refinement round's accumulating decode into a misaligned output.
 template <typename T, typename ResT, int G>
 constexpr bool kLoop16 = Traits<T>::kBytes == 2 && (IsSame<ResT, T>::v || IsI8<ResT>::v) && G <= 32;
 __device__ __forceinline__ i64 unit_first(i64 j, i64 ntiles) {
@@ -100,12 +102,12 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(own_n, S) : own_n) >> 4
-                    : (aligned16(own) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
+                    : (res == nullptr || aligned16(res) ? whole_units(own_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole, kAny>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole, kAny, !kWhole>(
                     RqArgs<T, ResT, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
                                            copy_off},
                     u_first, u_end, stride);
@@ -146,13 +148,12 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(out_n, S) : out_n) >> 4
-                    : (aligned16(own) && aligned16(out) && (res == nullptr || aligned16(res))
-                           ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
+                    : (res == nullptr || aligned16(res) ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole, kAny>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole, kAny, !kWhole>(
                     RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
@@ -189,14 +190,14 @@ __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(slice_valid(count, slice, S), S) : slice_valid(count, slice, S)) >> 4
-                    : (aligned16(out) ? whole_units(count - slice * S, S) : 0);
+                    : (aligned16(out) || !(kAdd && accumulate) ? whole_units(count - slice * S, S) : 0);
     split_tile<!(kWhole && k16), false>(   // (dequantize_loop: no ring)
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
                 if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
-                else dequantize_loop16<T, G, false, kCodec, kAny>(wire, out, S, slice, u_first, u_end, stride,
-                                                                    kAny ? slice_valid(count, slice, S) : 0);
+                else dequantize_loop16<T, G, false, kCodec, kAny, !kWhole>(wire, out, S, slice, u_first, u_end,
+                                                                             stride, kAny ? slice_valid(count, slice, S) : 0);
             }
         },
         [&] { return (kWhole ? slice_valid(count, slice, S) : S) >> 3; },

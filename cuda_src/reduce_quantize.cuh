@@ -340,15 +340,16 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // on the same operands, in the same order (a lane pair's h = 8 stage, fl(a + b) and fl(a - b), is
 // the in-thread pair's). kOut: the owner (incoming slices read as peer memory, its output slice
 // written); else a contribution (no incoming). Units [u_first, u_end) that lie whole in every
-// buffer, all 16-byte aligned (u_end a multiple of 32), walked with `stride` (a multiple of 32);
+// buffer, all 16-byte aligned but where kShift says (u_end a multiple of 32), walked with `stride` (a multiple of 32);
 // the ring (g_ring) holds a unit's own input and residual. kEarly (the whole-slice kernels): the
 // owner issues its first incoming slice's loads at the step's start, in flight during the ring's wait
 // and the rotation (two ranks, one alone: 3-4% faster; the general kernels' owner spills with it).
 // kAny (the whole-slice kernels that take any count): u_end is the slice's extent, and `own` and
 // `out_p` hold a.own_n valid elements, the last 512-element block maybe in part (g_tail): its input
-// read zero-filled, its output stored up to own_n.
+// read zero-filled, its output stored up to own_n. kShift (the general kernels): `own` and `out_p`
+// may lie off 16-byte alignment, each by its own shift (unit16_copy_async_at, unit16_store_at).
 template <typename T, typename ResT, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec,
-          bool kEarly = false, bool kAny = false>
+          bool kEarly = false, bool kAny = false, bool kShift = false>
 __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, float, T>& a, i64 u_first, i64 u_end,
                                                        i64 stride) {
     const unsigned char* __restrict__ incoming = a.incoming;
@@ -370,6 +371,7 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
     const int nin = kOut || !kEarly ? (int)a.n_in : 0, opos = (int)a.own_pos;
     const bool has_res = residual != nullptr;
     if constexpr (kAny) g_tail = (int)(a.own_n & 511);
+    static_assert(!(kShift && (kAny || kEarly)), "the general kernels' loop");
 
     const int hb = (int)(u_first & 1);   // the half of its rotation block, fixed
     const int lane = threadIdx.x & 31;
@@ -378,7 +380,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
         if (uu < u_end) {   // whole warps
             uint4* r = warp_ring(slot);
             const i64 e = (uu - lane) << 4;
-            if (kAny && uu - lane + 32 == u_end && g_tail != 0) unit16_copy_async_n(r, own + e, g_tail);
+            if constexpr (kShift) unit16_copy_async_at(r, warp_edge(slot), own + e, shift16_of(own));
+            else if (kAny && uu - lane + 32 == u_end && g_tail != 0) unit16_copy_async_n(r, own + e, g_tail);
             else unit16_copy_async(r, own + e);
             if (has_res) {
                 if constexpr (kI8) res16_copy_async(r + 64, i8_run(residual, uu - lane));
@@ -405,9 +408,10 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
         cp_async_wait<kRingDepth - 1>();
         __syncwarp();
         uint4* const r = warp_ring(slot);
-        slot = slot + 1 == kRingDepth ? 0 : slot + 1;
         uint4 w0, w1;
-        unit16_read(r, w0, w1);
+        if constexpr (kShift) unit16_read_at(r, warp_edge(slot), shift16_of(own), w0, w1);
+        else unit16_read(r, w0, w1);
+        slot = slot + 1 == kRingDepth ? 0 : slot + 1;
         float own_v[2][8];
         if constexpr (kRot) {
             rot_forward16_raw<T>(w0, w1, own_v, hb);
@@ -517,7 +521,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
             pack8f<T>(e[1], &ow[1]);
         }
         const i64 e_out = (u - lane) << 4;
-        if (kAny && u - lane + 32 == u_end && g_tail != 0) unit16_store_n(r, out_p + e_out, ow[0], ow[1], g_tail);
+        if constexpr (kShift) unit16_store_at(r, out_p + e_out, shift16_of(out_p), ow[0], ow[1]);
+        else if (kAny && u - lane + 32 == u_end && g_tail != 0) unit16_store_n(r, out_p + e_out, ow[0], ow[1], g_tail);
         else unit16_store(r, out_p + e_out, ow[0], ow[1]);
     }
     cp_async_wait<0>();

@@ -206,6 +206,67 @@ __device__ __forceinline__ void unit16_store_n(uint4* r, void* p, const uint4& a
     }
 }
 
+// ---------------------------- 16-bit data off 16-byte alignment through the 16-element loops
+// A warp's 1 KiB run at p, p off a 16-byte boundary by `off` bytes (p & 15; even, as a 16-bit
+// element's address is): the aligned words holding it are words 0 .. 64 from p - off (0 .. 63
+// where off is 0), and no byte past them is read or written. Loads copy those words, lanes
+// reading theirs at the shift (bytes_at); stores stage the lanes' units, then write the run's
+// aligned words: whole ones with one 16-byte store, the first and last (which hold neighbouring
+// runs' bytes) a 2-byte store an element of the run. off 0 is the aligned helpers' layout.
+// The own input's 65th word goes to the warp's edge slot (its ring part holds 64 words).
+// A buffer's shift: its bytes off 16-byte alignment (every run of a slice shares it: a slice is
+// whole 512-element blocks).
+__device__ __forceinline__ int shift16_of(const void* p) { return (int)(reinterpret_cast<u64>(p) & 15u); }
+__shared__ uint4 g_ring_edge[kRingDepth][ECHO_BLOCK / 32];
+__device__ __forceinline__ uint4* warp_edge(int slot) { return &g_ring_edge[slot][threadIdx.x >> 5]; }
+// unit16_copy_async of the run at p, off by `off`: its words 0 .. 63 into r, word 64 into *edge.
+__device__ __forceinline__ void unit16_copy_async_at(uint4* r, uint4* edge, const void* p, int off) {
+    const int lane = threadIdx.x & 31;
+    const uint4* q = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(p) - off);
+    cp_async16(r + stage_slot<2>(lane), q + lane);
+    cp_async16(r + stage_slot<2>(lane + 32), q + lane + 32);
+    if (lane == 31 && off != 0) cp_async16(edge, q + 64);
+}
+// This lane's unit of a run copied by unit16_copy_async_at, once every lane's copies landed and
+// the warp synchronized.
+__device__ __forceinline__ void unit16_read_at(const uint4* r, const uint4* edge, int off, uint4& a, uint4& b) {
+    const int lane = threadIdx.x & 31;
+    const uint4 c1 = r[stage_slot<2>(2 * lane + 1)];
+    a = bytes_at(r[stage_slot<2>(2 * lane)], c1, off);
+    b = bytes_at(c1, lane == 31 ? *edge : r[stage_slot<2>(2 * lane + 2)], off);
+}
+// Halves i0 .. i1 - 1 of w stored to the aligned word q, no other byte of it written.
+__device__ __forceinline__ void store_halves(uint4* q, const uint4& w, int i0, int i1) {
+    u16* h = reinterpret_cast<u16*>(q);
+    const u32 v[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (i >= i0 && i < i1) h[i] = (u16)((i & 1) ? v[i >> 1] >> 16 : v[i >> 1] & 0xffffu);
+}
+// The lanes' units (a, b) stored to the run at p, off by `off`, through r (unit16_store's staging).
+__device__ __forceinline__ void unit16_store_at(uint4* r, void* p, int off, const uint4& a, const uint4& b) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    r[stage_slot<2>(2 * lane)] = a;
+    r[stage_slot<2>(2 * lane + 1)] = b;
+    __syncwarp();
+    uint4* q = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(p) - off);
+    if (off == 0) {
+        q[lane] = r[stage_slot<2>(lane)];
+        q[lane + 32] = r[stage_slot<2>(lane + 32)];
+        return;
+    }
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {   // word m: the staged bytes from 16 m - off, in chunks m - 1 and m
+        const int m = lane + 32 * k;
+        const uint4 w = bytes_at(m > 0 ? r[stage_slot<2>(m - 1)] : zero, r[stage_slot<2>(m)], 16 - off);
+        if (m > 0) q[m] = w;
+        else store_halves(q, w, off >> 1, 8);
+    }
+    if (lane == 31) store_halves(q + 64, bytes_at(r[stage_slot<2>(63)], zero, 16 - off), 0, off >> 1);
+}
+
 }  // namespace echo
 
 #endif  // ECHO_STAGING_CUH

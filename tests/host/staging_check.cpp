@@ -1,4 +1,4 @@
-// cuda_src/staging.cuh's 16-element unit helpers run on the host, a warp at a time (warp_host.h):
+// cuda_src/staging.cuh's 16-element unit helpers (aligned and at a shift) run on the host, a warp at a time (warp_host.h):
 // what each lane reads from a warp's run, and what the warp's stores leave in memory, against the
 // byte layout their comments state. Buffers sit against inaccessible pages, so that a read or a
 // write past the bytes a helper may touch faults. Prints one line per failure and a summary;
@@ -81,6 +81,40 @@ static void store(char* run, int n, int warp) {
         check(p[i] == (i >= 0 && i < n ? pattern(i) : 0xa5a5), "unit16 store", n, warp, i);
 }
 
+// The same for a run at base + off (off even, below 16): the aligned words base .. base + 1040
+// (1024 where off is 0) hold it; `base` is 16-byte aligned.
+static void copy_read_at(char* base, int off, int warp) {
+    u16* p = reinterpret_cast<u16*>(base + off);
+    const int words = off ? 65 : 64;
+    for (int i = 0; i < 8 * words; ++i) reinterpret_cast<u16*>(base)[i] = 0x5a5a;   // the neighbours'
+    for (int i = 0; i < 512; ++i) p[i] = pattern(i);
+    uint4 got[32][2];
+    run_warp(warp, [&](int lane) {
+        uint4* r = echo::warp_ring(1);
+        echo::unit16_copy_async_at(r, echo::warp_edge(1), p, off);
+        echo::cp_async_commit();
+        echo::cp_async_wait<0>();
+        __syncwarp();
+        echo::unit16_read_at(r, echo::warp_edge(1), off, got[lane][0], got[lane][1]);
+    });
+    for (int l = 0; l < 32; ++l)
+        for (int i = 0; i < 16; ++i)
+            check(half(got[l][i / 8], i % 8) == pattern(16 * l + i), "unit16 copy/read at a shift", off, warp, 16 * l + i);
+}
+static void store_at(char* base, int off, int warp) {
+    u16* p = reinterpret_cast<u16*>(base + off);
+    const int words = off ? 65 : 64;
+    u16* w = reinterpret_cast<u16*>(base);
+    for (int i = 0; i < 8 * words; ++i) w[i] = 0xa5a5;
+    run_warp(warp, [&](int lane) {
+        echo::unit16_store_at(echo::warp_ring(0), p, off, chunk_of(16 * lane), chunk_of(16 * lane + 8));
+    });
+    for (int i = 0; i < 8 * words; ++i) {
+        const int e = i - off / 2;
+        check(w[i] == (e >= 0 && e < 512 ? pattern(e) : 0xa5a5), "unit16 store at a shift", off, warp, e);
+    }
+}
+
 int main() {
     Page page;
     const int ns[] = {1, 7, 8, 9, 255, 256, 263, 504, 511, 512};
@@ -90,6 +124,13 @@ int main() {
             copy_read(page.hi - 1024, n, warp);                    // and at its end
             store(page.lo + 16, n, warp);
             store(page.hi - 1024 - 16, n, warp);
+        }
+        for (int off = 0; off < 16; off += 2) {
+            const int bytes = off ? 1040 : 1024;
+            copy_read_at(page.lo, off, warp);                      // the run's words at the page's start
+            copy_read_at(page.hi - bytes, off, warp);              // and at its end
+            store_at(page.lo, off, warp);
+            store_at(page.hi - bytes, off, warp);
         }
     }
     std::printf("%d checks, %d failed\n", g_checks, g_failures);
