@@ -2,7 +2,7 @@
 // what each lane reads from a warp's run, and what the warp's stores leave in memory, against the
 // byte layout their comments state. Buffers sit against inaccessible pages, so that a read or a
 // write past the bytes a helper may touch faults. Prints one line per failure and a summary;
-// exit status 1 on any failure. Built and run by tests/test_staging_host.py.
+// exit status 1 on any failure. Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <sys/mman.h>
