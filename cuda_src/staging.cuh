@@ -213,10 +213,11 @@ __device__ __forceinline__ void unit16_store_n(uint4* r, void* p, const uint4& a
 // reading theirs at the shift (bytes_at); stores stage the lanes' units, then write the run's
 // aligned words: whole ones with one 16-byte store, the first and last (which hold neighbouring
 // runs' bytes) a 2-byte store an element of the run. off 0 is the aligned helpers' layout.
-// The own input's 65th word goes to the warp's edge slot (its ring part holds 64 words).
+
 // A buffer's shift: its bytes off 16-byte alignment (every run of a slice shares it: a slice is
 // whole 512-element blocks).
 __device__ __forceinline__ int shift16_of(const void* p) { return (int)(reinterpret_cast<u64>(p) & 15u); }
+// The own input's 65th word, a warp's in each ring slot (its part of the slot holds 64 words).
 __shared__ uint4 g_ring_edge[kRingDepth][ECHO_BLOCK / 32];
 __device__ __forceinline__ uint4* warp_edge(int slot) { return &g_ring_edge[slot][threadIdx.x >> 5]; }
 // unit16_copy_async of the run at p, off by `off`: its words 0 .. 63 into r, word 64 into *edge.
