@@ -3,9 +3,9 @@
 // at every shift off 16-byte alignment, must write the same bytes as the aligned loops on aligned
 // copies of the same data (the contribution, int4-h32; the owner, int4-h32 in and int7-h32 sums,
 // its output apart and in place; the decode, int7-h32), bytes outside a loop's elements left
-// alone; prints one line per failure and a summary, exit status 1 on any failure. With a folder and
-// a kernel (general, whole, any): its phases on a slice, their inputs and outputs written there
-// for the numpy reference (dump). Built and run by tests/test_cuda_host.py.
+// alone; prints one line per failure and a summary, exit status 1 on any failure. With a folder, a
+// kernel (general, whole, any), a type (bf16, f16) and a residual format (input, int8): that
+// kernel's phases on a slice, their inputs and outputs written there for the numpy reference (dump). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <cstdio>
@@ -118,36 +118,53 @@ static void loop_case(int in_off, int out_off, int own_pos) {
     check(dec_a.view() != Buf(vb, 0).view(), "the decode wrote", k, in_off);   // the test sees the loop's work
 }
 
-// The two-shot's phases (fused_phases.cuh) on one slice of n valid elements, bfloat16 with
-// residuals of its type, every warp of the block in turn, one tile: the general kernels' (kWhole
-// false) on n not a multiple of 512 (the 16-element loops, then the 8-element ones for the rest)
-// with the input and outputs off 16-byte alignment; the whole kernels' on aligned buffers, and
-// their any-count twins' (kAny) on n not a multiple of 512. Inputs and outputs go to dir for the
-// numpy reference (tests/test_cuda_host.py): x, r0 (the residual before), incoming (two int4-h32
-// slices), wire4 and res4 (the contribution), wire7, res7 and out (the owner, own_pos 1), dec (the
-// decode of wire7); n in n.txt.
-template <bool kWhole, bool kAny>
+// Residuals of type R for one slice: the input's type (sigma 0.01), or the int8 block format
+// (codec.py: per 512 elements 512 mantissas, then 16 exponent bytes, here 115-122: about 0.01).
+template <typename R>
+static size_t res_bytes() { return IsI8<R>::v ? (S / 512) * 528 : 2 * S; }
+template <typename R>
+static void fill_residuals(unsigned char* p) {
+    if constexpr (IsI8<R>::v) {
+        std::uniform_int_distribution<int> m(-127, 127), x(115, 122);
+        for (i64 r = 0; r < S / 512; ++r) {
+            for (int i = 0; i < 512; ++i) p[528 * r + i] = (unsigned char)(signed char)m(g_rng);
+            for (int i = 0; i < 16; ++i) p[528 * r + 512 + i] = (unsigned char)x(g_rng);
+        }
+    } else {
+        fill_values<R>(p, S, 0.01f);
+    }
+}
+
+// The two-shot's phases (fused_phases.cuh) on one slice of n valid elements of type T with
+// residuals of type R (T, or the int8 format), every warp of the block in turn, one tile: the
+// general kernels' (kWhole false) on n not a multiple of 512 (the 16-element loops, then the
+// 8-element ones for the rest) with the input and outputs off 16-byte alignment; the whole
+// kernels' on aligned buffers, and their any-count twins' (kAny) on n not a multiple of 512.
+// Inputs and outputs go to dir for the numpy reference (tests/test_cuda_host.py): x, r0 (the
+// residuals before), incoming (two int4-h32 slices), wire4 and res4 (the contribution), wire7,
+// res7 and out (the owner, own_pos 1), dec (the decode of wire7); n in n.txt.
+template <typename T, typename R, bool kWhole, bool kAny>
 static void dump(const std::string& dir, i64 n) {
     constexpr int kX = kWhole ? 0 : 6, kOut = kWhole ? 0 : 10, kDec = kWhole ? 0 : 14;
-    using T = bf16_t;
-    const size_t vb = 2 * S, b4 = Wire<32, kInt4H32>::slice_bytes(S), b7 = Wire<16, kInt7H32>::slice_bytes(S);
-    Buf x(vb, kX), r0(vb, 0), incoming(2 * b4, 0), wire4(b4, 0), res4(vb, 0), wire7(b7, 0), res7(vb, 0),
+    const size_t vb = 2 * S, rb = res_bytes<R>(), b4 = Wire<32, kInt4H32>::slice_bytes(S),
+                 b7 = Wire<16, kInt7H32>::slice_bytes(S);
+    Buf x(vb, kX), r0(rb, 0), incoming(2 * b4, 0), wire4(b4, 0), res4(rb, 0), wire7(b7, 0), res7(rb, 0),
         out(vb, kOut), dec(vb, kDec);
     fill_values<T>(x.base(), n, 1.0f);
-    fill_values<T>(r0.base(), S, 0.01f);
+    fill_residuals<R>(r0.base());
     fill_wire<32, kInt4H32>(incoming.base(), 2);
-    std::memcpy(res4.base(), r0.base(), vb);
-    std::memcpy(res7.base(), r0.base(), vb);
+    std::memcpy(res4.base(), r0.base(), rb);
+    std::memcpy(res7.base(), r0.base(), rb);
     const T* own = reinterpret_cast<const T*>(x.base());
     for (int w = 0; w < ECHO_BLOCK / 32; ++w)
         run_warp(w, [&](int) {
-            phase_contribute<T, T, 32, kInt4H32, kWhole, kAny>(own, n, reinterpret_cast<T*>(res4.base()),
+            phase_contribute<T, R, 32, kInt4H32, kWhole, kAny>(own, n, reinterpret_cast<R*>(res4.base()),
                                                                wire4.base(), S, 0, 1);
         });
     for (int w = 0; w < ECHO_BLOCK / 32; ++w)
         run_warp(w, [&](int) {
-            phase_reduce<T, T, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny>(
-                incoming.base(), 2, 1, own, n, reinterpret_cast<T*>(res7.base()), wire7.base(), S, nullptr, 0, 0, 1,
+            phase_reduce<T, R, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny>(
+                incoming.base(), 2, 1, own, n, reinterpret_cast<R*>(res7.base()), wire7.base(), S, nullptr, 0, 0, 1,
                 nullptr, 0, 0, reinterpret_cast<T*>(out.base()), n);
         });
     for (int w = 0; w < ECHO_BLOCK / 32; ++w)
@@ -167,15 +184,23 @@ static void dump(const std::string& dir, i64 n) {
     std::fprintf(f, "%lld\n", n);
     std::fclose(f);
 }
+template <typename T, typename R>
+static int dump_kernel(const std::string& dir, const std::string& kernel) {
+    if (kernel == "general") dump<T, R, false, false>(dir, S - 300);
+    else if (kernel == "whole") dump<T, R, true, false>(dir, S);
+    else if (kernel == "any") dump<T, R, true, true>(dir, S - 300);
+    else return 2;
+    return 0;
+}
 
 int main(int argc, char** argv) {
-    if (argc > 2) {   // folder, general | whole | any
-        const std::string k = argv[2];
-        if (k == "general") dump<false, false>(argv[1], S - 300);
-        else if (k == "whole") dump<true, false>(argv[1], S);
-        else if (k == "any") dump<true, true>(argv[1], S - 300);
-        else return 2;
-        return 0;
+    if (argc > 4) {   // folder, general | whole | any, bf16 | f16, input | int8
+        const std::string dir = argv[1], kernel = argv[2], t = argv[3], r = argv[4];
+        if (t == "bf16" && r == "int8") return dump_kernel<bf16_t, i8res_t>(dir, kernel);
+        if (t == "bf16") return dump_kernel<bf16_t, bf16_t>(dir, kernel);
+        if (t == "f16" && r == "int8") return dump_kernel<half_t, i8res_t>(dir, kernel);
+        if (t == "f16") return dump_kernel<half_t, half_t>(dir, kernel);
+        return 2;
     }
     for (int in_off = 0; in_off < 16; in_off += 2) {
         loop_case<bf16_t, false>(in_off, 0, 0);
