@@ -51,18 +51,16 @@ def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
     return all(allgather(ok))
 
 
-def _whole_slices(layout, x, out, state, any_count: bool = False) -> bool:
-    """True when ``x`` and ``out`` hold the layout's count, a multiple of `codec.SLICE_QUANTUM` (512:
-    every slice's valid part whole blocks of it) or, with ``any_count``, any count, and they and
-    the residuals are 16-byte aligned: what the ``_whole`` fused kernels assume, and the any-count
-    ones (`kernel_table.Kernel.any_count`). The blocks past the count they leave alone, as every
-    fused kernel does."""
+def _aligned(layout, x, out, state) -> bool:
+    """True when ``x`` and ``out`` hold the layout's count and they and the residuals are 16-byte
+    aligned: what the ``_whole`` fused kernels and their any-count twins assume (which count each
+    takes: `FusedPaths.first_kernel`). The blocks past the count they leave alone, as every fused
+    kernel does."""
     S, P = layout.slice_elems, layout.nranks
     ptrs = [x.data.ptr, out.data.ptr]
     if state is not None and state.inputs.dtype.itemsize != 1:   # int8 blocks: aligned by format
         ptrs += [state.inputs.data.ptr + s * S * state.inputs.itemsize for s in range(P)] + [state.output.data.ptr]
-    return (x.size == out.size == layout.count and (any_count or layout.count % SLICE_QUANTUM == 0)
-            and not any(p & 15 for p in ptrs))
+    return x.size == out.size == layout.count and not any(p & 15 for p in ptrs)
 
 
 class _Launch:
@@ -109,16 +107,16 @@ class FusedPaths:
 
     def first_kernel(self, family: str, layout, x, out, state) -> Kernel:
         """The kernel of a ``family`` call's first round (``"two_shot"``, ``"one_shot_q"``) where
-        `whole` is set: the whole-slice one where `_whole_slices` allows it, else its any-count twin
-        where there is one (`kernel_table.takes_any_count`) and the buffers allow it, else the
-        general one."""
+        `whole` is set and the buffers are aligned (`_aligned`): the whole-slice one for a multiple
+        of 512 elements, else its any-count twin where there is one (`kernel_table.takes_any_count`);
+        else the general one."""
         t, r, _, _ = _types(x, state)
         if family == "two_shot":
             ref32 = state is not None and not state.rounding and t != "f32"
             k = Kernel("two_shot", t, layout.name, r, "f32" if ref32 else "", True)
         else:
             k = Kernel("one_shot_q", t, layout.codec, r, whole=True)
-        if self.whole and _whole_slices(layout, x, out, state, any_count=True):   # aligned, one count
+        if self.whole and _aligned(layout, x, out, state):
             if layout.count % SLICE_QUANTUM == 0:
                 return k
             if takes_any_count(k):

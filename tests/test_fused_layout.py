@@ -109,7 +109,7 @@ def test_no_growth_during_a_capture():
 
 
 class _Buf:
-    """What `fused._whole_slices` reads of an engine array: size, itemsize, dtype, data.ptr."""
+    """What `fused._aligned` reads of an engine array: size, itemsize, dtype, data.ptr."""
 
     def __init__(self, size, ptr, dtype="uint16"):
         import numpy as np
@@ -121,10 +121,9 @@ class _Buf:
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
-    """The `_whole` fused kernel is chosen only when x and out hold the count, a multiple of 512 (the
-    last slices may end early or be empty), or any count for an any-count kernel, and every buffer,
-    each rank's input residuals included, is 16-byte aligned."""
+def test_whole_kernels_only_on_aligned_buffers_of_the_count(P):
+    """`fused._aligned`: x and out hold the layout's count and every buffer, each rank's input
+    residuals included, is 16-byte aligned (int8 residual blocks are, by format)."""
     from types import SimpleNamespace
 
     from echonccl.layout import Layout
@@ -133,24 +132,21 @@ def test_whole_slice_kernel_only_where_every_slice_is_whole_and_aligned(P):
     S = L.slice_elems
     res = SimpleNamespace(inputs=_Buf(P * S, 1 << 20), output=_Buf(S, 2 << 20))
     x, out = _Buf(P * S, 3 << 20), _Buf(P * S, 4 << 20)
-    assert fused._whole_slices(L, x, out, res) and fused._whole_slices(L, x, x, None)
-    assert not fused._whole_slices(Layout(P * 4096 - 1, P), _Buf(P * 4096 - 1, 3 << 20), out, res)
-    n = P * 4096 - 1                                      # an any-count kernel
-    assert fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, 4 << 20), res, any_count=True)
-    assert not fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, (4 << 20) + 2), res, any_count=True)
+    assert fused._aligned(L, x, out, res) and fused._aligned(L, x, x, None)
+    n = P * 4096 - 1                                      # any count
+    assert fused._aligned(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, 4 << 20), res)
+    assert not fused._aligned(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, (4 << 20) + 2), res)
     for n in (P * 4096 - 512, 512):                       # ragged, or all in slice 0
         Ln = Layout(n, P, "int4-h32")
         assert Ln.slice_elems == (S if n > 512 else 512)
-        assert fused._whole_slices(Ln, _Buf(n, 3 << 20), _Buf(n, 4 << 20), None)
-        assert not fused._whole_slices(Ln, _Buf(n, 3 << 20), _Buf(P * S, 4 << 20), None)
-    for n in (P * 4096 - 256, P * 4096 + 16):
-        assert not fused._whole_slices(Layout(n, P), _Buf(n, 3 << 20), _Buf(n, 4 << 20), None)
-    assert not fused._whole_slices(L, _Buf(P * S, (3 << 20) + 8), out, res)
-    assert not fused._whole_slices(L, x, _Buf(P * S, (4 << 20) + 2), res)
+        assert fused._aligned(Ln, _Buf(n, 3 << 20), _Buf(n, 4 << 20), None)
+        assert not fused._aligned(Ln, _Buf(n, 3 << 20), _Buf(P * S, 4 << 20), None)
+    assert not fused._aligned(L, _Buf(P * S, (3 << 20) + 8), out, res)
+    assert not fused._aligned(L, x, _Buf(P * S, (4 << 20) + 2), res)
     odd = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 4), output=res.output)
-    assert not fused._whole_slices(L, x, out, odd)
+    assert not fused._aligned(L, x, out, odd)
     int8 = SimpleNamespace(inputs=_Buf(P * S, (1 << 20) + 8, "int8"), output=_Buf(S, (2 << 20) + 8, "int8"))
-    assert fused._whole_slices(L, x, out, int8)
+    assert fused._aligned(L, x, out, int8)
 
 
 @pytest.mark.parametrize("P", [2, 8])
@@ -183,6 +179,10 @@ def test_first_kernel_whole_then_any_count_then_general(P):
     assert first("two_shot", odd, rounding=True).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32"
     assert first("one_shot_q", odd).name == "echo_one_shot_q_bf16_resbf16_int4_h32"
     assert first("one_shot_q", whole).name == "echo_one_shot_q_bf16_resbf16_int4_h32_whole"
+    for n in (whole - 512, 512):                          # ragged multiples of 512, or all in slice 0
+        assert first("two_shot", n, rounding=True).whole and first("one_shot_q", n).whole
+    for n in (whole - 256, whole + 16):                   # other counts: none without a twin
+        assert not first("two_shot", n, rounding=True).whole and not first("one_shot_q", n).whole
     paths.whole = False                                   # the tools' general kernels everywhere
     assert not first("two_shot", whole).whole and not first("two_shot", odd).whole
     for k in (first("two_shot", odd), first("one_shot_q", odd)):
