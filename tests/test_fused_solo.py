@@ -232,9 +232,11 @@ _DT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "
 class _EmuLaunch:
     launches: list = []
     firsts: list = []
+    made: list = []         # (kernel name, the kernel lookup in force when the launch was made)
 
     def __init__(self, kernel, grid, args):
         self.kernel, self.grid, self.args = kernel, grid, [int(a) for a in args]
+        _EmuLaunch.made.append((kernel.name, fused.kernel_loader.function))
 
     def __call__(self, stream) -> None:
         if getattr(stream, "captured", None) is not None:      # a graph being captured: replayed later
@@ -393,6 +395,7 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(fused, "_Launch", _EmuLaunch)
     monkeypatch.setattr(_EmuLaunch, "launches", [])
     monkeypatch.setattr(_EmuLaunch, "firsts", [])
+    monkeypatch.setattr(_EmuLaunch, "made", [])
     kb = types.ModuleType("kernel_bench")
     kb.copy_bandwidth = lambda nbytes, iters: 4.0
     monkeypatch.setitem(sys.modules, "kernel_bench", kb)
@@ -502,6 +505,39 @@ def test_offset_buffers_take_the_general_kernels(emulated_gpu):
     assert aligned[(2, 2 * 3 * 4096)]["whole"].whole
 
 
+def _baseline(tmp_path, names):
+    import json
+
+    from echonccl import kernel_loader
+
+    (tmp_path / kernel_loader.MANIFEST).write_text(json.dumps({"kernels": names}))
+    return fused_solo.Baseline(tmp_path)
+
+
+def test_baseline_columns_launch_the_baseline_kernels(emulated_gpu, tmp_path):
+    """``baseline`` (``--baseline DIR``): each kernel also as KERNEL@base, made while the baseline's
+    lookup stands in for `kernel_loader.function` (the real one around it), checked and timed alike."""
+    from echonccl import kernel_table
+
+    base = _baseline(tmp_path, sorted(kernel_table.BY_NAME))
+    real = fused.kernel_loader.function
+    res = fused_solo.run_solo([2], [2 * 3 * 4096], kernels=["general", "whole"], iters=2, reps=2, baseline=base)
+    cases = res[(2, 2 * 3 * 4096)]
+    assert list(cases) == ["general", "general@base", "whole", "whole@base"]
+    assert all(c.fits and c.check == "ok" and len(c.times) == 2 for c in cases.values())
+    assert cases["whole@base"].whole and not cases["general@base"].whole
+    assert [f == base.function for _, f in _EmuLaunch.made] == [False, True, False, True]
+    assert fused.kernel_loader.function is real
+
+
+def test_baseline_without_a_kernel_says_which(tmp_path):
+    base = _baseline(tmp_path, ["echo_dequantize_bf16_int4_h32"])
+    with pytest.raises(KeyError, match="no kernel echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole"):
+        base.function("echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole")
+    assert fused_solo.columns(["whole", "q"], True) == ["whole", "whole@base", "q", "q@base"]
+    assert fused_solo.columns(["whole", "q"], False) == ["whole", "q"]
+
+
 def test_run_solo_stops_when_a_wait_is_not_armed(emulated_gpu, monkeypatch):
     monkeypatch.setattr(fused_solo, "armed_range", lambda P, mt: (P * mt, 0, P * mt))   # no gather flags
     with pytest.raises(fused_solo.PeerTimeout, match="gave up waiting"):
@@ -515,3 +551,13 @@ def test_main_prints_the_tables(emulated_gpu, capsys):
     assert "## P = 2" in out and "## P = 4" in out and "| 24 KiB |" in out
     assert "bit for bit, every case" in out
     assert "| 16 KiB | 9.12 | 0.0 | 10.25 | 0.0 | 0.01 (0%) |" in out   # 8 + 4 or 8 slices of 0.28
+
+
+def test_main_baseline_columns(emulated_gpu, capsys, tmp_path):
+    from echonccl import kernel_table
+
+    _baseline(tmp_path, sorted(kernel_table.BY_NAME))
+    assert fused_solo.main(["--ranks", "2", "--sizes", "16K", "--iters", "2", "--reps", "1", "--kernels", "whole",
+                            "--baseline", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| size | whole | whole@base |" in out and "whole@base TB/s" in out and "bit for bit, every case" in out

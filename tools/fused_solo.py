@@ -5,6 +5,7 @@ peer buffers filled as its peers would have left them: a lower bound of the P-GP
     python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
         [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
         [--grid N] [--tiles N] [--offset N] [--max-bytes 4G] [--timeout 10] [--phases] [-G]
+        [--baseline DIR]
     python tools/fused_bench.py --solo [the same options]
 
 One process, no MPI peers, no MPS: the MPS proxy (`tools/fused_bench.py` under
@@ -46,6 +47,13 @@ echonccl-perf's ``-G``, without the launch gaps of eager calls. The grid is the 
 (`kernel_table.FUSED_BLOCKS_PER_SM` a SM) unless ``--grid``. A size whose region exceeds ``--max-bytes`` (the communicator's default)
 prints ``-``: the communicator would take the NCCL path for it.
 
+Baseline (``--baseline DIR``): each kernel also as another build left it, in the same launch:
+DIR is a prebuilt folder made at another commit (``python -m echonccl.build --arch sm_90 --out
+DIR`` in its checkout), whose fatbin is loaded as it is (no fingerprint check: the launch
+arguments must be this build's). Each kernel KERNEL gets a column KERNEL@base, prepared with the
+baseline's kernel of the same name, checked bit for bit the same way and timed in alternation with
+it: a change's before and after side by side.
+
 Phases (``--phases``): each two-shot kernel is timed three ways, the `arm` before each launch
 setting the ticket (Ctl's second word) to the first item of a phase, so that the launch skips the
 phases before it: from the contributions (the all-reduce), from the owner's items, from the decode's.
@@ -64,8 +72,11 @@ HBM). Implied bandwidth: those bytes over the best rep's median.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,6 +89,51 @@ from echonccl.schedules.two_shot import _quantize
 KERNELS = ("general", "whole", "q", "q_whole")
 FAMILY = {"general": "two_shot", "whole": "two_shot", "q": "one_shot_q", "q_whole": "one_shot_q"}
 _SHORT_FAMILY = {"two_shot": "two-shot", "one_shot_q": "q"}
+BASE = "@base"   # the suffix of a --baseline column
+
+
+def family_of(column: str) -> str:
+    """The schedule of a kernel column (KERNEL or KERNEL@base)."""
+    return FAMILY[column.removesuffix(BASE)]
+
+
+def columns(kernels, baseline: bool) -> list:
+    """The kernel columns: each kernel, followed by its baseline's with --baseline."""
+    return [c for kn in kernels for c in ((kn, kn + BASE) if baseline else (kn,))]
+
+
+class Baseline:
+    """Kernels by name from another build's prebuilt folder (``--baseline``): its fatbin as it is,
+    loaded on first use."""
+
+    def __init__(self, folder):
+        from echonccl import kernel_loader
+
+        self.folder = Path(folder)
+        self.fatbin = self.folder / kernel_loader.FATBIN
+        self.names = set(json.loads((self.folder / kernel_loader.MANIFEST).read_text())["kernels"])
+        self.module = None
+
+    def function(self, name: str):
+        """The baseline's kernel ``name`` (a cupy RawKernel, as `kernel_loader.function` gives)."""
+        if name not in self.names:
+            raise KeyError(f"--baseline {self.folder}: no kernel {name} (build it there with --all)")
+        if self.module is None:
+            import cupy
+
+            self.module = cupy.RawModule(path=str(self.fatbin))
+        return self.module.get_function(name)
+
+    @contextlib.contextmanager
+    def launches(self):
+        """Within it, the fused launches made take the baseline's kernels."""
+        from echonccl import kernel_loader
+
+        saved, kernel_loader.function = kernel_loader.function, self.function
+        try:
+            yield
+        finally:
+            kernel_loader.function = saved
 
 # The arm kernel (every flag of rank 0's region but its own gather slot: its epoch ``ahead``
 # calls on, which satisfies the waits of that many calls; the ticket, Ctl's second word, to
@@ -378,7 +434,7 @@ def phase_firsts(P: int, T: int) -> dict:
 
 def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
-             phases=False, graph=False, tiles=0, observe=None, offset=0) -> dict:
+             phases=False, graph=False, tiles=0, observe=None, offset=0, baseline=None) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
     `PeerTimeout` when a kernel gave up waiting; ``report(P, results_of_P)`` after each P. ``phases``:
     each two-shot kernel is also timed from its first owner item and from its first decode item
@@ -388,7 +444,8 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
     general kernels run). ``observe(P, nbytes, kernel,
     launch, starts)``, after each kernel's timed reps: ``launch(first)`` enqueues one armed call on the
     current stream, from work item ``first`` on (-1: the whole call), ``starts`` names the firsts
-    (``"all"``: -1; two-shot kernels also ``"owner"`` and ``"decode"``, as ``phases`` times them)."""
+    (``"all"``: -1; two-shot kernels also ``"owner"`` and ``"decode"``, as ``phases`` times them).
+    ``baseline``: a `Baseline`; each kernel also as KERNEL@base (`columns`)."""
     import cupy as cp
 
     from echonccl import dtypes, fused
@@ -417,14 +474,14 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 x = cp.empty(n + offset, dtype=bf16)[offset:]
                 x[...] = data.x0
             out, want = cp.empty(n + offset, dtype=bf16)[offset:], {}
-            for family in {FAMILY[kn] for kn in kernels}:
+            for family in {family_of(kn) for kn in kernels}:
                 want[family] = cp.empty_like(x)
                 expected(k, layout, data, family, want[family])
             paths: dict = {}        # family -> FusedPaths over its own SoloRegion
-            cases = {kn: Case(kn) for kn in kernels}
+            cases = {kn: Case(kn) for kn in columns(kernels, baseline is not None)}
             runs = {}
-            for kn in kernels:
-                family = FAMILY[kn]
+            for kn in cases:
+                family = family_of(kn)
                 if family not in paths:
                     p = fused.FusedPaths(SoloComm(P), None, 0, P, timeout, lambda: False, max_bytes)
                     p.peers.make_region = SoloRegion
@@ -439,9 +496,10 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 if not fits:
                     cases[kn].fits = False
                     continue
-                p.whole = kn.endswith("whole")
+                p.whole = kn.removesuffix(BASE).endswith("whole")
                 prepare = p.prepare_two_shot if family == "two_shot" else p.prepare_one_shot_q
-                run, _ = prepare(layout, x, out, state)
+                with baseline.launches() if kn.endswith(BASE) else contextlib.nullcontext():
+                    run, _ = prepare(layout, x, out, state)
                 runs[kn] = run
                 first = p.first_kernel(family, layout, x, out, state)
                 cases[kn].whole, cases[kn].any_count = first.whole, first.any_count
@@ -457,12 +515,12 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                 cases[kn].check = _compare(out, want[family])
             for _ in range(reps):
                 for kn, run in runs.items():
-                    p = paths[FAMILY[kn]][0]
+                    p = paths[family_of(kn)][0]
                     region = p.peers.regions[-1]
                     cases[kn].times.append(solo.time_us(run, region, iters))
                     if graph:
                         cases[kn].graph.append(solo.time_graph_us(run, region, iters))
-                    if phases and FAMILY[kn] == "two_shot":
+                    if phases and family_of(kn) == "two_shot":
                         for name, first in phase_firsts(P, p.tiles_of(layout)).items():
                             cases[kn].later.setdefault(name, []).append(solo.time_us(run, region, iters, first))
                     cp.cuda.runtime.deviceSynchronize()
@@ -470,10 +528,10 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                     if not _finite_bf16(out):
                         cases[kn].check += " (non-finite output after the timed calls)"
             for kn, run in runs.items() if observe is not None else ():
-                p = paths[FAMILY[kn]][0]
+                p = paths[family_of(kn)][0]
                 region = p.peers.regions[-1]
                 starts = {"all": -1}
-                if FAMILY[kn] == "two_shot":
+                if family_of(kn) == "two_shot":
                     starts.update(phase_firsts(P, p.tiles_of(layout)))
 
                 def launch(first=-1, run=run, region=region):
@@ -559,13 +617,13 @@ def table(P, cases_by_size, kernels, iters, copy_tbs, floors, graph=False) -> st
             cell = " / ".join(f"{t:.1f}" for t in (c.graph if graph else c.times)) if c.fits else "-"
             if c.fits and c.check != "ok":
                 cell += " (!)"
-            if kn.endswith("whole") and c.fits and not c.whole:
+            if kn.removesuffix(BASE).endswith("whole") and c.fits and not c.whole:
                 cell += " (general)"
             elif c.fits and c.any_count:
                 cell += " (any count)"
             cells.append(cell)
         lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
-    fams = [f for f in ("two_shot", "one_shot_q") if any(FAMILY[kn] == f for kn in kernels)]
+    fams = [f for f in ("two_shot", "one_shot_q") if any(family_of(kn) == f for kn in kernels)]
     lines += ["", f"HBM: bytes rank 0's kernel moves per element, their time at the copy rate ({copy_tbs:.2f} TB/s), "
               "and the bandwidth each kernel's best rep implies (% of the copy rate):", "",
               "| size | " + " | ".join(f"{_SHORT_FAMILY[f]} B/elem | {_SHORT_FAMILY[f]} floor us" for f in fams)
@@ -580,7 +638,7 @@ def table(P, cases_by_size, kernels, iters, copy_tbs, floors, graph=False) -> st
             if not c.fits or not t:
                 cells.append("-")
                 continue
-            tbs = fl[FAMILY[kn]][0] / min(t) / 1e6
+            tbs = fl[family_of(kn)][0] / min(t) / 1e6
             cells.append(f"{tbs:.2f} ({100 * tbs / copy_tbs:.0f}%)")
         lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -607,6 +665,8 @@ def main(argv=None) -> int:
                    help="time the two-shot kernels from their owner and decode phases on too: a time by phase")
     p.add_argument("-G", "--graph", action="store_true",
                    help="time each kernel replayed in a CUDA graph of --iters calls too (echonccl-perf's -G)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="another build's prebuilt folder: each kernel also as it left it (KERNEL@base), alternating")
     a = p.parse_args(argv)
     a.rounding = a.rounding or ("on" if DEFAULT_ROUNDING else "off")
 
@@ -639,20 +699,24 @@ def main(argv=None) -> int:
           f"{a.residual} residuals, rounding {a.rounding}, grid {grid}, device-to-device copy {copy_tbs:.2f} TB/s",
           flush=True)
     mismatches: list[str] = []
+    baseline = Baseline(a.baseline) if a.baseline else None
+    cols = columns(a.kernels, baseline is not None)
+    if baseline:
+        print(f"# baseline: {baseline.fatbin} (columns KERNEL{BASE})", flush=True)
 
     def report(P, res):
         rows = [(nbytes, res[(P, nbytes)]) for nbytes in sizes]
-        print(table(P, rows, a.kernels, a.iters, copy_tbs, floors) + "\n", flush=True)
+        print(table(P, rows, cols, a.iters, copy_tbs, floors) + "\n", flush=True)
         if a.graph:
-            print(table(P, rows, a.kernels, a.iters, copy_tbs, floors, graph=True) + "\n", flush=True)
+            print(table(P, rows, cols, a.iters, copy_tbs, floors, graph=True) + "\n", flush=True)
         if a.phases:
-            print(phase_table(P, rows, a.kernels, copy_tbs, phase_floors) + "\n", flush=True)
+            print(phase_table(P, rows, cols, copy_tbs, phase_floors) + "\n", flush=True)
         mismatches.extend(f"P={P} {nbytes} bytes {c.kernel}: {c.check}"
                           for nbytes, cases in rows for c in cases.values() if c.fits and c.check != "ok")
 
     try:
         run_solo(a.ranks, sizes, a.kernels, a.codec, a.residual, a.rounding == "on", a.iters, a.reps, grid,
-                 a.timeout, max_bytes, report, a.phases, a.graph, a.tiles, offset=a.offset)
+                 a.timeout, max_bytes, report, a.phases, a.graph, a.tiles, offset=a.offset, baseline=baseline)
     except PeerTimeout as exc:
         print(exc, file=sys.stderr)
         return 2

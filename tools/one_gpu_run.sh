@@ -6,14 +6,16 @@
 #                                              16 MiB - 1 GiB, the whole, general and q_whole kernels,
 #                                              eager and -G
 #   bash tools/one_gpu_run.sh OUTDIR corners   odd counts (the any-count twins) and buffers one element
-#                                              off alignment at P = 2 and 8; the MPS proxy (two ranks
-#                                              sharing the GPU) on whole sizes and odd counts
+#                                              off alignment (the general kernel) at P = 2 and 8; the
+#                                              MPS proxy (two ranks sharing the GPU) on whole sizes
+#                                              and odd counts
 #   bash tools/one_gpu_run.sh OUTDIR all       the three (longer than one call)
 # Each run writes OUTDIR/NAME.txt under a time limit. At the end: the time tables the runs printed,
 # the last lines of any run that failed, then a line a run with its status and seconds. Exit status
 # 1 if any run failed. echonccl comes from this checkout, with its prebuilt kernels where built
 # (python -m echonccl.build --arch sm_90; without them each kernel is compiled on first use). Needs
-# what gpu_suite.sh needs.
+# what gpu_suite.sh needs. BASELINE=DIR (a prebuilt folder built at another commit): the corners'
+# misaligned run also times the general kernel as that build left it (fused_solo.py --baseline).
 set -uo pipefail
 usage="usage: one_gpu_run.sh OUTDIR [tests|solo|corners|all]"
 out=${1:?$usage}
@@ -27,6 +29,7 @@ export PYTHONPATH="$root:$root/tools${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABL
 [[ -f echonccl/prebuilt/manifest.json ]] || echo "one_gpu_run: no echonccl/prebuilt: kernels compile on first use"
 SOLO=("$PY" tools/fused_solo.py --iters 20 --reps 2)
 ODD=(--sizes 16M 16777214 256M 268435454 1G 1073741822)
+BASE=(${BASELINE:+--baseline "$BASELINE"})
 status=0
 summary=()
 failed=()
@@ -49,7 +52,8 @@ if [[ $what == solo || $what == all ]]; then
 fi
 if [[ $what == corners || $what == all ]]; then
   run odd_counts 200 "${SOLO[@]}" --ranks 2 8 "${ODD[@]}" --kernels whole general -G
-  run misaligned 150 "${SOLO[@]}" --ranks 2 8 --sizes 16M 256M 1G --kernels whole general --offset 1
+  # off alignment every kernel is the general one (the aligned whole kernel: the solo part)
+  run misaligned 150 "${SOLO[@]}" --ranks 2 8 --sizes 16M 256M 1G --kernels general --offset 1 "${BASE[@]}"
   run mps_proxy 200 bash tools/with_mps.sh "$PY" tools/launch.py -n 2 tools/fused_bench.py \
       --sizes 16M 64M 256M 1G 16777214 268435454 1073741822 --kernels whole general q_whole --iters 20 --reps 2
 fi
