@@ -196,8 +196,8 @@ __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
                 if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
-                else dequantize_loop16<T, G, false, kCodec, kAny, !kWhole>(wire, out, S, slice, u_first, u_end,
-                                                                             stride, kAny ? slice_valid(count, slice, S) : 0);
+                else dequantize_loop16<T, G, false, kCodec, kAny, !kWhole>(
+                    wire, out, S, slice, u_first, u_end, stride, kAny ? slice_valid(count, slice, S) : 0);
             }
         },
         [&] { return (kWhole ? slice_valid(count, slice, S) : S) >> 3; },

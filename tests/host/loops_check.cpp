@@ -5,7 +5,8 @@
 // its output apart and in place; the decode, int7-h32), bytes outside a loop's elements left
 // alone; prints one line per failure and a summary, exit status 1 on any failure. With a folder, a
 // kernel (general, whole, any), a type (bf16, f16) and a residual format (input, int8): that
-// kernel's phases on a slice, their inputs and outputs written there for the numpy reference (dump). Built and run by tests/test_cuda_host.py.
+// kernel's phases on a slice, their inputs and outputs written there for the numpy reference
+// (dump). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <cstdio>

@@ -1,8 +1,9 @@
-// cuda_src/staging.cuh's 16-element unit helpers (aligned and at a shift) run on the host, a warp at a time (warp_host.h):
-// what each lane reads from a warp's run, and what the warp's stores leave in memory, against the
-// byte layout their comments state. Buffers sit against inaccessible pages, so that a read or a
-// write past the bytes a helper may touch faults. Prints one line per failure and a summary;
-// exit status 1 on any failure. Built and run by tests/test_cuda_host.py.
+// cuda_src/staging.cuh's 16-element unit helpers (aligned and at a shift) run on the host, a warp
+// at a time (warp_host.h): what each lane reads from a warp's run, and what the warp's stores
+// leave in memory, against the byte layout their comments state. Buffers sit against
+// inaccessible pages, so that a read or a write past the bytes a helper may touch faults. Prints
+// one line per failure and a summary; exit status 1 on any failure. Built and run by
+// tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <sys/mman.h>
@@ -99,7 +100,8 @@ static void copy_read_at(char* base, int off, int warp) {
     });
     for (int l = 0; l < 32; ++l)
         for (int i = 0; i < 16; ++i)
-            check(half(got[l][i / 8], i % 8) == pattern(16 * l + i), "unit16 copy/read at a shift", off, warp, 16 * l + i);
+            check(half(got[l][i / 8], i % 8) == pattern(16 * l + i), "unit16 copy/read at a shift", off, warp,
+                  16 * l + i);
 }
 static void store_at(char* base, int off, int warp) {
     u16* p = reinterpret_cast<u16*>(base + off);

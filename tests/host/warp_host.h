@@ -101,7 +101,9 @@ template <typename T> Op in(const T& x) {
 }
 inline float f32(const Op& o) { float f; std::memcpy(&f, &o.bits, 4); return f; }
 inline unsigned u32(const Op& o) { return (unsigned)o.bits; }
-template <typename T> void set(const Op& o, T v) { std::memcpy(o.p, &v, o.bytes < (int)sizeof(T) ? o.bytes : sizeof(T)); }
+template <typename T> void set(const Op& o, T v) {
+    std::memcpy(o.p, &v, o.bytes < (int)sizeof(T) ? o.bytes : sizeof(T));
+}
 
 // Shared-window addresses (cvta.to.shared): offsets from an anchor in this program's data.
 inline char g_anchor;
@@ -150,12 +152,15 @@ inline void ptx(const char* tmpl, std::initializer_list<Op> list) {
     if (is("div.rn.f32 %0, %1, %2;")) return set(o[0], f32(o[1]) / f32(o[2]));
     if (is("fma.rn.f32 %0, %1, %2, %3;")) return set(o[0], std::fma(f32(o[1]), f32(o[2]), f32(o[3])));
     if (is("rcp.rn.f32 %0, %1;")) return set(o[0], 1.0f / f32(o[1]));
-    if (is("cvt.rni.s32.f32 %0, %1;")) {
+    if (is("cvt.rni.s32.f32 %0, %1;")) {   // NaN -> 0, out of range saturated
         const float v = f32(o[1]);
-        return set(o[0], std::isnan(v) ? 0 : v >= 2147483647.0f ? 2147483647 : v <= -2147483648.0f ? (int)0x80000000
-                                                                                                  : (int)std::nearbyint(v));
+        if (std::isnan(v)) return set(o[0], 0);
+        if (v >= 2147483647.0f) return set(o[0], 2147483647);
+        if (v <= -2147483648.0f) return set(o[0], (int)0x80000000);
+        return set(o[0], (int)std::nearbyint(v));
     }
-    if (is("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }")) return set(o[0], f16_to_f32((unsigned short)o[1].bits));
+    if (is("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }"))
+        return set(o[0], f16_to_f32((unsigned short)o[1].bits));
     if (is("cvt.rn.f16.f32 %0, %1;")) return set(o[0], f32_to_f16(f32(o[1])));
     if (is("cvt.rn.bf16.f32 %0, %1;")) return set(o[0], f32_to_bf16(f32(o[1])));
     if (is("cvt.rn.f16x2.f32 %0, %1, %2;"))
