@@ -385,7 +385,7 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
             else unit16_copy_async(r, own + e);
             if (has_res) {
                 if constexpr (kI8) res16_copy_async(r + 64, i8_run(residual, uu - lane));
-                else unit16_copy_async(r + 64, residual + ((uu - lane) << 4));
+                else unit16_copy_async(r + 64, residual + e);
             }
         }
         cp_async_commit();

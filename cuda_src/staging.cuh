@@ -176,23 +176,26 @@ __device__ __forceinline__ void unit16_read(const uint4* r, uint4& a, uint4& b) 
     a = r[stage_slot<2>(2 * lane)];
     b = r[stage_slot<2>(2 * lane + 1)];
 }
-// The lanes' units (a, b) stored to the warp's 1 KiB at p through r.
-__device__ __forceinline__ void unit16_store(uint4* r, void* p, const uint4& a, const uint4& b) {
+// The lanes' units (a, b) put in r in stage_slot<2> order, for the warp to store (the unit16_store
+// family); every lane done with r before, and every lane's unit in it after.
+__device__ __forceinline__ void unit16_stage(uint4* r, const uint4& a, const uint4& b) {
     const int lane = threadIdx.x & 31;
     __syncwarp();
     r[stage_slot<2>(2 * lane)] = a;
     r[stage_slot<2>(2 * lane + 1)] = b;
     __syncwarp();
+}
+// The lanes' units (a, b) stored to the warp's 1 KiB at p through r.
+__device__ __forceinline__ void unit16_store(uint4* r, void* p, const uint4& a, const uint4& b) {
+    const int lane = threadIdx.x & 31;
+    unit16_stage(r, a, b);
     reinterpret_cast<uint4*>(p)[lane] = r[stage_slot<2>(lane)];
     reinterpret_cast<uint4*>(p)[lane + 32] = r[stage_slot<2>(lane + 32)];
 }
 // unit16_store of a partial 512-element block: only its first n 16-bit elements (0 < n < 512) stored.
 __device__ __forceinline__ void unit16_store_n(uint4* r, void* p, const uint4& a, const uint4& b, int n) {
     const int lane = threadIdx.x & 31;
-    __syncwarp();
-    r[stage_slot<2>(2 * lane)] = a;
-    r[stage_slot<2>(2 * lane + 1)] = b;
-    __syncwarp();
+    unit16_stage(r, a, b);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         const int c = lane + 32 * m, k = n - 8 * c;
@@ -244,13 +247,10 @@ __device__ __forceinline__ void store_halves(uint4* q, const uint4& w, int i0, i
     for (int i = 0; i < 8; ++i)
         if (i >= i0 && i < i1) h[i] = (u16)((i & 1) ? v[i >> 1] >> 16 : v[i >> 1] & 0xffffu);
 }
-// The lanes' units (a, b) stored to the run at p, off by `off`, through r (unit16_store's staging).
+// The lanes' units (a, b) stored to the run at p, off by `off`, through r (unit16_stage).
 __device__ __forceinline__ void unit16_store_at(uint4* r, void* p, int off, const uint4& a, const uint4& b) {
     const int lane = threadIdx.x & 31;
-    __syncwarp();
-    r[stage_slot<2>(2 * lane)] = a;
-    r[stage_slot<2>(2 * lane + 1)] = b;
-    __syncwarp();
+    unit16_stage(r, a, b);
     uint4* q = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(p) - off);
     if (off == 0) {
         q[lane] = r[stage_slot<2>(lane)];
