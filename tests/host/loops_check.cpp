@@ -64,28 +64,25 @@ static void fill_wire(unsigned char* p, int nslices) {
         }
 }
 
-// A block's warps 0 .. warps - 1 in turn (they share nothing in these loops), one tile a slice:
-// a thread's first unit unit_first(0, 1), stepping by kStride.
+// Warp 0 of a block, one tile a slice: a lane's first unit unit_first(0, 1), stepping by kStride.
 template <typename T, bool kOut, bool kShift>
 static void rq(unsigned char* incoming, int n_in, int own_pos, unsigned char* own, unsigned char* res,
-               unsigned char* wire, unsigned char* out, int warps = 1) {
+               unsigned char* wire, unsigned char* out) {
     constexpr int G = kOut ? 16 : 32, kCodec = kOut ? kInt7H32 : kInt4H32;
-    for (int w = 0; w < warps; ++w)
-        run_warp(w, [&](int) {
-            reduce_quantize_loop16<T, T, G, kCodec, kOut, 32, kInt4H32, false, false, kShift>(
-                RqArgs<T, T, float, T>{incoming, n_in, own_pos, reinterpret_cast<const T*>(own), S,
-                                       reinterpret_cast<T*>(res), wire, S, nullptr, 0, nullptr, 0, 0,
-                                       reinterpret_cast<T*>(out), S},
-                unit_first(0, 1), kUnits, kStride);
-        });
+    run_warp(0, [&](int) {
+        reduce_quantize_loop16<T, T, G, kCodec, kOut, 32, kInt4H32, false, false, kShift>(
+            RqArgs<T, T, float, T>{incoming, n_in, own_pos, reinterpret_cast<const T*>(own), S,
+                                   reinterpret_cast<T*>(res), wire, S, nullptr, 0, nullptr, 0, 0,
+                                   reinterpret_cast<T*>(out), S},
+            unit_first(0, 1), kUnits, kStride);
+    });
 }
 template <typename T, bool kShift>
-static void dq(const unsigned char* wire, unsigned char* out, int warps = 1) {
-    for (int w = 0; w < warps; ++w)
-        run_warp(w, [&](int) {
-            dequantize_loop16<T, 16, false, kInt7H32, false, kShift>(wire, reinterpret_cast<T*>(out), S, 0,
-                                                                      unit_first(0, 1), kUnits, kStride);
-        });
+static void dq(const unsigned char* wire, unsigned char* out) {
+    run_warp(0, [&](int) {
+        dequantize_loop16<T, 16, false, kInt7H32, false, kShift>(wire, reinterpret_cast<T*>(out), S, 0,
+                                                                  unit_first(0, 1), kUnits, kStride);
+    });
 }
 
 // One case: the input at in_off, the output at out_off (in place: out_off < 0).
@@ -157,22 +154,19 @@ static void dump(const std::string& dir, i64 n) {
     std::memcpy(res4.base(), r0.base(), rb);
     std::memcpy(res7.base(), r0.base(), rb);
     const T* own = reinterpret_cast<const T*>(x.base());
-    for (int w = 0; w < ECHO_BLOCK / 32; ++w)
-        run_warp(w, [&](int) {
-            phase_contribute<T, R, 32, kInt4H32, kWhole, kAny>(own, n, reinterpret_cast<R*>(res4.base()),
-                                                               wire4.base(), S, 0, 1);
-        });
-    for (int w = 0; w < ECHO_BLOCK / 32; ++w)
-        run_warp(w, [&](int) {
-            phase_reduce<T, R, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny>(
-                incoming.base(), 2, 1, own, n, reinterpret_cast<R*>(res7.base()), wire7.base(), S, nullptr, 0, 0, 1,
-                nullptr, 0, 0, reinterpret_cast<T*>(out.base()), n);
-        });
-    for (int w = 0; w < ECHO_BLOCK / 32; ++w)
-        run_warp(w, [&](int) {
-            phase_decode<T, 16, kInt7H32, kWhole, false, kAny>(wire7.base(), reinterpret_cast<T*>(dec.base()), n, S,
-                                                                0, 0, 1, 0);
-        });
+    run_block([&] {
+        phase_contribute<T, R, 32, kInt4H32, kWhole, kAny>(own, n, reinterpret_cast<R*>(res4.base()),
+                                                           wire4.base(), S, 0, 1);
+    });
+    run_block([&] {
+        phase_reduce<T, R, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny>(
+            incoming.base(), 2, 1, own, n, reinterpret_cast<R*>(res7.base()), wire7.base(), S, nullptr, 0, 0, 1,
+            nullptr, 0, 0, reinterpret_cast<T*>(out.base()), n);
+    });
+    run_block([&] {
+        phase_decode<T, 16, kInt7H32, kWhole, false, kAny>(wire7.base(), reinterpret_cast<T*>(dec.base()), n, S,
+                                                            0, 0, 1, 0);
+    });
     const std::pair<const char*, Buf*> files[] = {
         {"x", &x}, {"r0", &r0}, {"incoming", &incoming}, {"wire4", &wire4}, {"res4", &res4},
         {"wire7", &wire7}, {"res7", &res7}, {"out", &out}, {"dec", &dec}};

@@ -82,6 +82,11 @@ inline void run_warp(int warp, const std::function<void(int)>& body) {
     for (auto& t : lanes) t.join();
     g_host_warp_barrier = nullptr;
 }
+// body() on every warp of a block (ECHO_BLOCK threads), one warp after another: stricter than
+// the warps running at once, so right for code whose warps share nothing between barriers.
+inline void run_block(const std::function<void()>& body) {
+    for (int w = 0; w < ECHO_BLOCK / 32; ++w) run_warp(w, [&](int) { body(); });
+}
 
 namespace echo_host {
 typedef unsigned long long u64;
