@@ -110,7 +110,7 @@ constexpr int kWireAhead = 2;
 // wire of each warp's step kWireAhead steps ahead in ring slot 1 (WarpWire16). Same bits as dequantize_loop.
 // kAny (the whole-slice kernels that take any count; never with kAcc): u_end is the slice's extent,
 // the slice holding n valid elements of `out`, its last 512-element block maybe in part (g_tail),
-// stored up to n. kShift (the general kernels; never with kAcc): `out` may lie off 16-byte
+// stored up to n. kShift (the shifted general kernels; never with kAcc): `out` may lie off 16-byte
 // alignment (unit16_store_at).
 template <typename OutT, int G, bool kAcc, int kCodec, bool kAny = false, bool kShift = false>
 __device__ __forceinline__ void dequantize_loop16(const unsigned char* __restrict__ wire, OutT* __restrict__ out,

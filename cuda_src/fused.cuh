@@ -35,9 +35,12 @@
 // of 512: a slice's last 512-element block, one warp's step, holds fewer valid elements, and that
 // warp reads it zero-filled and stores it up to the count (unit16_copy_async_n, unit16_store_n).
 // Their own kernels, so that the whole-slice ones keep their code (the partial block's tests in
-// them cost the MPS proxy 7% at 16 MiB). Every kernel leaves a slice's 512-element blocks past the
-// count alone (their wire bytes stale, their residuals as a new state holds them), and so does every
-// owner, which may read such stale blocks from a peer running a whole-slice kernel (slice_extent).
+// them cost the MPS proxy 7% at 16 MiB). So too the shifted kernels (kShift; Kernel.shifted, the
+// same two-shots' general kernels for an input or output off 16-byte alignment): their 16-element
+// loops read and write at the buffer's shift (unit16_copy_async_at, unit16_store_at). Every
+// kernel leaves a slice's 512-element blocks past the count alone (their wire bytes stale, their
+// residuals as a new state holds them), and so does every owner, which may read such stale blocks
+// from a peer running a whole-slice kernel (slice_extent).
 //
 // Which kernels exist is echonccl/kernel_table.py's to say: it generates the source that uses
 // the ECHO_*_KERNEL macros at the end of this file and of fused_one_shot.cuh, one line a kernel.
@@ -65,7 +68,8 @@ namespace echo {
 // in one, picked at run time, made the kernel 7-35% slower on one H200 (more spills).
 // Contributions travel in codec (G, kCodec), the owners' sums in (GS, kSumCodec): the same, or
 // int7-h32 sums of int4-h32 contributions (echonccl codec int4-h32/int7-h32).
-template <typename T, typename ResT, int G, int kCodec, int GS, int kSumCodec, bool kWhole, bool kRef32, bool kAny>
+template <typename T, typename ResT, int G, int kCodec, int GS, int kSumCodec, bool kWhole, bool kRef32, bool kAny,
+          bool kShift>
 __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out, i64 count,
                                                     ResT* __restrict__ res_in, ResT* __restrict__ res_out,
                                                     i64 S, int rank, int P, i64 ntiles, i64 max_tiles,
@@ -73,6 +77,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                                                     Ctl* ctl, u64 timeout_ns) {
     static_assert(!kAny || (kWhole && kRef32 && kLoop16<T, ResT, G> && kLoop16<T, ResT, GS>),
                   "any count: whole slices whose phases all run 16 elements a thread");
+    static_assert(!kShift || (!kWhole && kRef32 && kLoop16<T, ResT, G> && kLoop16<T, ResT, GS>),
+                  "shifted: general slices whose phases all run 16 elements a thread");
     __shared__ long long s_item;
     __shared__ int s_ok;
     const auto [epoch, s_deadline] = begin_call(ctl, timeout_ns, &s_ok);
@@ -94,8 +100,9 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const int slot = rank < s ? rank : rank - 1;
             const i64 lo = s * S < x_n ? s * S : x_n;
             const i64 hi = lo + S < x_n ? lo + S : x_n;
-            phase_contribute<T, ResT, G, kCodec, kWhole, kAny>(x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr,
-                                         table->recv[s] + slot * slice_bytes, S, j, T_);
+            phase_contribute<T, ResT, G, kCodec, kWhole, kAny, kShift>(
+                x + lo, hi - lo, res_in ? res_at(res_in, s * S) : nullptr, table->recv[s] + slot * slice_bytes, S, j,
+                T_);
             __syncthreads();
             if (threadIdx.x == 0) st_release_sys(table->flags[s] + slot * max_tiles + j, epoch);
         } else if (item < n1 + T_) {
@@ -113,7 +120,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
             const i64 hi = lo + S < x_n ? lo + S : x_n;
             const i64 blo = rank * S < count ? rank * S : count;
             const i64 bhi = blo + S < count ? blo + S : count;
-            phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole, kAny>(
+            phase_reduce<T, ResT, typename Pick<kRef32, float, T>::type, GS, kSumCodec, G, kCodec, kWhole, kAny,
+                         kShift>(
                 my_recv, P - 1, rank, x + lo, hi - lo, res_out, table->gather_peers[0] + rank * sum_bytes, S,
                 (!kRef32 && accumulate) ? out + blo : nullptr, bhi - blo, j, T_, table->gather_peers + 1, P - 2,
                 rank * sum_bytes, out + blo, bhi - blo);
@@ -131,7 +139,8 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                 s_ok = 0;
             __syncthreads();
             if (!s_ok) break;
-            phase_decode<T, GS, kSumCodec, kWhole, !kRef32, kAny>(my_gather, out, count, S, s, j, T_, accumulate);
+            phase_decode<T, GS, kSumCodec, kWhole, !kRef32, kAny, kShift>(my_gather, out, count, S, s, j, T_,
+                                                                          accumulate);
         }
     }
     end_call(ctl, epoch);
@@ -197,16 +206,16 @@ __device__ __forceinline__ void fused_one_shot_q_body(const T* x, i64 x_n, T* ou
 // that lie whole in aligned buffers (see the top of this file); a kernel holding both loops,
 // picked at run time, spilled more in every phase.
 //
-// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY)
+// ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY, SHIFT)
 //     (const T* x, i64 x_n, T* out, i64 count, R* res_in, R* res_out, i64 S, i64 rank, i64 P,
 //      i64 ntiles, i64 max_tiles, i64 accumulate, const PeerTable* table, Ctl* ctl, i64 timeout_ns)
-//     GS, SUMCODEC (the sums' codec), REF32, ANY: see fused_two_shot_body
-#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY)                                  \
+//     GS, SUMCODEC (the sums' codec), REF32, ANY, SHIFT: see fused_two_shot_body
+#define ECHO_TWO_SHOT_KERNEL(NAME, T, R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY, SHIFT)                             \
     extern "C" __global__ void __launch_bounds__(ECHO_BLOCK, ECHO_FUSED_MIN_BLOCKS)                                   \
         NAME(const echo::T* x, long long x_n, echo::T* out, long long count, echo::R* res_in, echo::R* res_out,      \
              long long S, long long rank, long long P, long long ntiles, long long max_tiles, long long accumulate,   \
              const echo::PeerTable* table, echo::Ctl* ctl, long long timeout_ns) {                                    \
-        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY>(                       \
+        echo::fused_two_shot_body<echo::T, echo::R, G, CODEC, GS, SUMCODEC, WHOLE, REF32, ANY, SHIFT>(                 \
                                                                           x, x_n, out, count, res_in, res_out, S,     \
                                                                           (int)rank, (int)P, ntiles, max_tiles,       \
                                                                           (int)accumulate, table, ctl,                \

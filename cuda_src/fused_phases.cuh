@@ -13,11 +13,13 @@ constexpr int kChunk = 256;   // threads per chunk (= ECHO_BLOCK): 2048 elements
 // (reduce_quantize_loop16, dequantize_loop16; the owner only with a float32 ref) where the slice
 // lies whole in aligned buffers: one cross-lane rotation stage instead of two, one thread an
 // int7-h32 group (one rank alone, P = 2, 1 GiB: 10% faster than 8 a thread; docs/notes/fused.md). The block's halves take
-// the tile's chunks two at a time (unit_first: a thread's first unit of tile j). The general
-// kernels run them on input and output off 16-byte alignment too (the loops' kShift; residuals are
-// always aligned), and the 8-element loop takes what is left: a ragged slice's last warps of units
-// (tail_first: a thread's first 8-element index >= t0 in tile j), or the whole slice of a
-// refinement round's accumulating decode into a misaligned output.
+// the tile's chunks two at a time (unit_first: a thread's first unit of tile j). In the general
+// kernels the 8-element loop takes what is left: a ragged slice's last warps of units (tail_first:
+// a thread's first 8-element index >= t0 in tile j), and every slice of an input or output off
+// 16-byte alignment, except in the shifted kernels (kShift; kernel_table.Kernel.shifted), whose
+// 16-element loops read and write such buffers at their shift (residuals are always aligned): their
+// own kernels, since the shifted loops beside the aligned ones made the general kernels spill three
+// times as much (docs/notes/fused.md).
 template <typename T, typename ResT, int G>
 constexpr bool kLoop16 = Traits<T>::kBytes == 2 && (IsSame<ResT, T>::v || IsI8<ResT>::v) && G <= 32;
 __device__ __forceinline__ i64 unit_first(i64 j, i64 ntiles) {
@@ -94,20 +96,20 @@ __device__ __forceinline__ void split_tile(i64 ue, i64 j, i64 ntiles, const F16&
 // kAny (the 16-element loops only: the last 512-element block in part), and only the blocks that
 // hold them are worked on. contribute_tile: a contribution's tile, phase_contribute's and
 // phase_push's body (k16: the 16-element loop where it applies); in a whole-slice kernel own_n is
-// the slice's valid count.
-template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16, bool kAny = false>
+// the slice's valid count; kShift: `own` may lie off 16-byte alignment in the 16-element loop.
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool k16, bool kAny = false, bool kShift = false>
 __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                                 i64 ntiles, unsigned char* const* copies, int ncopies, i64 copy_off) {
     const i64 stride = ntiles * kChunk;
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(own_n, S) : own_n) >> 4
-                    : (res == nullptr || aligned16(res) ? whole_units(own_n, S) : 0);
+                    : ((kShift || aligned16(own)) && (res == nullptr || aligned16(res)) ? whole_units(own_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole, kAny, !kWhole>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, false, G, kCodec, kWhole, kAny, kShift>(
                     RqArgs<T, ResT, float, T>{nullptr, 0, 0, own, own_n, res, wire, S, nullptr, 0, copies, ncopies,
                                            copy_off},
                     u_first, u_end, stride);
@@ -119,11 +121,11 @@ __device__ __forceinline__ void contribute_tile(const T* own, i64 own_n, ResT* r
                 t_first, t_end, stride);
         });
 }
-template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool kAny>
+template <typename T, typename ResT, int G, int kCodec, bool kWhole, bool kAny, bool kShift>
 __device__ __noinline__ void phase_contribute(const T* own, i64 own_n, ResT* res, unsigned char* wire, i64 S, i64 j,
                                               i64 ntiles) {
-    contribute_tile<T, ResT, G, kCodec, kWhole, kLoop16<T, ResT, G>, kAny>(own, own_n, res, wire, S, j, ntiles,
-                                                                           nullptr, 0, 0);
+    contribute_tile<T, ResT, G, kCodec, kWhole, kLoop16<T, ResT, G>, kAny, kShift>(own, own_n, res, wire, S, j,
+                                                                                   ntiles, nullptr, 0, 0);
 }
 // phase_contribute with the codes also stored to copies[c] + copy_off (one_shot_q's push), 8 elements
 // a thread (at 16 it spilled 100 bytes and one_shot_q ran 2-4% slower one rank alone).
@@ -137,7 +139,8 @@ __device__ __noinline__ void phase_push(const T* own, i64 own_n, ResT* res, unsi
 // slice written. RefT: T (the residual holds the output's rounding to T; `base`: a refinement
 // round's) or float (echonccl Feedback(rounding=False): the sum's quantization error alone, two
 // rotations an element instead of three; no base).
-template <typename T, typename ResT, typename RefT, int G, int kCodec, int GIn, int kInCodec, bool kWhole, bool kAny>
+template <typename T, typename ResT, typename RefT, int G, int kCodec, int GIn, int kInCodec, bool kWhole, bool kAny,
+          bool kShift>
 __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_in, int own_pos, const T* own,
                                           i64 own_n, ResT* res, unsigned char* wire, i64 S, const T* base,
                                           i64 base_n, i64 j, i64 ntiles, unsigned char* const* copies,
@@ -148,12 +151,13 @@ __device__ __noinline__ void phase_reduce(const unsigned char* incoming, int n_i
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(out_n, S) : out_n) >> 4
-                    : (res == nullptr || aligned16(res) ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
+                    : ((kShift || (aligned16(own) && aligned16(out))) && (res == nullptr || aligned16(res))
+                           ? whole_units(own_n < out_n ? own_n : out_n, S) : 0);
     split_tile<!(kWhole && k16), true>(
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16)
-                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole, kAny, !kWhole>(
+                reduce_quantize_loop16<T, ResT, G, kCodec, true, GIn, kInCodec, kWhole, kAny, kShift>(
                     RqArgs<T, ResT, float, T>{incoming, n_in, own_pos, own, own_n, res, wire, S, nullptr, 0, copies,
                                            ncopies, copy_off, out, out_n},
                     u_first, u_end, stride);
@@ -182,7 +186,7 @@ __device__ __noinline__ void decode8_call(const unsigned char* wire, T* out, i64
                                           i64 t_end, i64 stride, int accumulate) {
     decode8_body<T, G, kCodec, kWhole, kAdd>(wire, out, count, S, slice, t_first, t_end, stride, accumulate);
 }
-template <typename T, int G, int kCodec, bool kWhole, bool kAdd, bool kAny>
+template <typename T, int G, int kCodec, bool kWhole, bool kAdd, bool kAny, bool kShift>
 __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64 count, i64 S, i64 slice,
                                           i64 j, i64 ntiles, int accumulate) {
     constexpr bool k16 = kLoop16<T, T, G>;
@@ -190,13 +194,13 @@ __device__ __noinline__ void phase_decode(const unsigned char* wire, T* out, i64
     i64 ue = 0;
     if constexpr (k16)
         ue = kWhole ? (kAny ? slice_extent(slice_valid(count, slice, S), S) : slice_valid(count, slice, S)) >> 4
-                    : (aligned16(out) || !(kAdd && accumulate) ? whole_units(count - slice * S, S) : 0);
+                    : (aligned16(out) || (kShift && !(kAdd && accumulate)) ? whole_units(count - slice * S, S) : 0);
     split_tile<!(kWhole && k16), false>(   // (dequantize_loop: no ring)
         ue, j, ntiles,
         [&](i64 u_first, i64 u_end) {
             if constexpr (k16) {
                 if (kAdd && accumulate) dequantize_loop16<T, G, true, kCodec>(wire, out, S, slice, u_first, u_end, stride);
-                else dequantize_loop16<T, G, false, kCodec, kAny, !kWhole>(
+                else dequantize_loop16<T, G, false, kCodec, kAny, kShift>(
                     wire, out, S, slice, u_first, u_end, stride, kAny ? slice_valid(count, slice, S) : 0);
             }
         },

@@ -346,7 +346,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
 // and the rotation (two ranks, one alone: 3-4% faster; the general kernels' owner spills with it).
 // kAny (the whole-slice kernels that take any count): u_end is the slice's extent, and `own` and
 // `out_p` hold a.own_n valid elements, the last 512-element block maybe in part (g_tail): its input
-// read zero-filled, its output stored up to own_n. kShift (the general kernels): `own` and `out_p`
+// read zero-filled, its output stored up to own_n. kShift (the shifted kernels): `own` and `out_p`
 // may lie off 16-byte alignment, each by its own shift (unit16_copy_async_at, unit16_store_at).
 template <typename T, typename ResT, int G, int kCodec, bool kOut, int GIn = G, int kInCodec = kCodec,
           bool kEarly = false, bool kAny = false, bool kShift = false>

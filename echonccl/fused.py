@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from . import cuda_driver, dtypes, kernel_loader
 from .codec import SLICE_QUANTUM
-from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel, takes_any_count
+from .kernel_table import BLOCK, FUSED_BLOCKS_PER_SM, Kernel, takes_any_count, takes_shift
 from .nccl import p2p_disabled
 from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, PeerMemory, fused_tiles,
                           one_shot_tiles)
@@ -109,7 +109,8 @@ class FusedPaths:
         """The kernel of a ``family`` call's first round (``"two_shot"``, ``"one_shot_q"``) where
         `whole` is set and the buffers are aligned (`_aligned`): the whole-slice one for a multiple
         of 512 elements, else its any-count twin where there is one (`kernel_table.takes_any_count`);
-        else the general one."""
+        else the general one, or its shifted twin where there is one (`kernel_table.takes_shift`)
+        and ``x`` or ``out`` lies off 16-byte alignment."""
         t, r, _, _ = _types(x, state)
         if family == "two_shot":
             ref32 = state is not None and not state.rounding and t != "f32"
@@ -121,7 +122,8 @@ class FusedPaths:
                 return k
             if takes_any_count(k):
                 return replace(k, any_count=True)
-        return replace(k, whole=False)
+        k = replace(k, whole=False)
+        return replace(k, shifted=True) if takes_shift(k) and (x.data.ptr | out.data.ptr) & 15 else k
 
     # -- two-shot ---------------------------------------------------------------------------
     def two_shot_fits(self, layout) -> bool:

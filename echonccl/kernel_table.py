@@ -12,7 +12,8 @@ launch side uses (`Kernel.name`) come from here alone. Nothing else instantiates
   output type, the fused two-shot (and its float32-reference owner for 16-bit data, for
   ``Feedback(rounding=False)``) and quantized one-shot for each (input, residual), each for any
   slices and for slices that lie whole in aligned buffers (the two-shots whose phases all run 16
-  elements a thread also for counts that are not a multiple of 512); for each pair of codecs (`PAIRS`:
+  elements a thread also for counts that are not a multiple of 512, and for an input or output off
+  16-byte alignment: `takes_any_count`, `takes_shift`); for each pair of codecs (`PAIRS`:
   int4-h32 contributions, int7-h32 sums) the owner's reduce_quantize and the fused two-shot (the
   rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
   its output is a run-time argument.
@@ -70,7 +71,9 @@ class Kernel:
     rounding), ``whole`` (two_shot, one_shot_q: the kernel for slices that lie whole in 16-byte
     aligned buffers, a multiple of 512 elements), ``any_count`` (the whole two-shot for a count
     that is not a multiple of 512: the last 512-element block read zero-filled and stored up to
-    the count; only where `takes_any_count`)."""
+    the count; only where `takes_any_count`), ``shifted`` (the general two-shot of the same kernels
+    for an input or output off 16-byte alignment, its 16-element loops at the buffer's shift; only
+    where `takes_shift`)."""
 
     family: str
     dtype: str
@@ -79,6 +82,7 @@ class Kernel:
     ref: str = ""
     whole: bool = False
     any_count: bool = False
+    shifted: bool = False
 
     @property
     def name(self) -> str:
@@ -88,7 +92,8 @@ class Kernel:
         if self.family in ("dequantize", "dequantize_sum", "one_shot", "one_shot_ll"):
             return f"echo_{self.family}_{self.dtype}{cid}"
         suffix = (("_ref32" if self.family == "two_shot" and self.ref == "f32" else "")
-                  + ("_whole" if self.whole else "") + ("_any" if self.any_count else ""))
+                  + ("_whole" if self.whole else "") + ("_any" if self.any_count else "")
+                  + ("_shift" if self.shifted else ""))
         return f"echo_{self.family}_{self.dtype}_res{self.res}{cid}{suffix}"
 
     @property
@@ -111,8 +116,8 @@ class Kernel:
             return f"ECHO_DQS_KERNEL({self.name}, {t}, {group}, {codec_id})"
         whole = "true" if self.whole else "false"
         if f == "two_shot":
-            return (f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {g1}, {id1}, {g2}, {id2}, {whole}, "
-                    f"{'true' if self.ref == 'f32' else 'false'}, {'true' if self.any_count else 'false'})")
+            flags = ", ".join("true" if b else "false" for b in (self.ref == "f32", self.any_count, self.shifted))
+            return f"ECHO_TWO_SHOT_KERNEL({self.name}, {t}, {self.res}, {g1}, {id1}, {g2}, {id2}, {whole}, {flags})"
         return f"ECHO_ONE_SHOT_Q_KERNEL({self.name}, {t}, {self.res}, {group}, {codec_id}, {whole})"
 
 
@@ -120,12 +125,22 @@ def takes_any_count(k: Kernel) -> bool:
     """Whether whole-slice kernel ``k`` has an any-count twin (``any_count=True``): the two-shots
     whose phases all run 16 elements a thread (16-bit data, residuals of its type or int8, the
     owner's float32 reference: ``rounding=False``; cuda_src/fused_phases.cuh's kLoop16)."""
-    return (k.family == "two_shot" and k.whole and not k.any_count and k.dtype != "f32"
-            and k.res in (k.dtype, "i8") and k.ref == "f32")
+    return k.whole and not k.any_count and _loop16(k)
 
 
-def _with_any_count(kernels: list[Kernel]) -> list[Kernel]:
-    return kernels + [replace(k, any_count=True) for k in kernels if takes_any_count(k)]
+def takes_shift(k: Kernel) -> bool:
+    """Whether general kernel ``k`` has a shifted twin (``shifted=True``): the same two-shots as
+    `takes_any_count`'s."""
+    return not (k.whole or k.shifted) and _loop16(k)
+
+
+def _loop16(k: Kernel) -> bool:
+    return k.family == "two_shot" and k.dtype != "f32" and k.res in (k.dtype, "i8") and k.ref == "f32"
+
+
+def _with_twins(kernels: list[Kernel]) -> list[Kernel]:
+    return (kernels + [replace(k, any_count=True) for k in kernels if takes_any_count(k)]
+            + [replace(k, shifted=True) for k in kernels if takes_shift(k)])
 
 
 def _codec_kernels(codec: str) -> list[Kernel]:
@@ -138,7 +153,7 @@ def _codec_kernels(codec: str) -> list[Kernel]:
             if t != "f32":    # float32 data: the owner's reference is float32 anyway
                 out += [Kernel("two_shot", t, codec, r, "f32", w) for r in residuals(t)]
             out += [Kernel("one_shot_q", t, codec, r, whole=w) for r in residuals(t)]
-    return _with_any_count(out)
+    return _with_twins(out)
 
 
 def _pair_kernels(pair: str) -> list[Kernel]:
@@ -149,7 +164,7 @@ def _pair_kernels(pair: str) -> list[Kernel]:
             out += [Kernel("two_shot", t, pair, r, whole=w) for r in residuals(t)]
             if t != "f32":
                 out += [Kernel("two_shot", t, pair, r, "f32", w) for r in residuals(t)]
-    return _with_any_count(out)
+    return _with_twins(out)
 
 
 ALL: tuple[Kernel, ...] = tuple(k for c in CODECS for k in _codec_kernels(c)) + tuple(

@@ -5,10 +5,10 @@ shared memory before its warp's barrier is a reported race):
 
 * staging_check.cpp: the 16-element loops' staging helpers, aligned and at every shift off 16-byte
   alignment: what each lane reads, which bytes a store writes (buffers against PROT_NONE pages);
-* loops_check.cpp: the general kernels' 16-element loops at every shift against the aligned ones
-  on the same data, byte for byte; and the general two-shot's three phases on a ragged slice with
-  misaligned buffers, and the whole kernel's and its any-count twin's, against the numpy
-  reference (`NumpyKernels`), bit for bit.
+* loops_check.cpp: the shifted kernels' 16-element loops at every shift against the aligned ones
+  on the same data, byte for byte; and the three phases of the general two-shot and of its shifted
+  twin on a ragged slice with misaligned buffers, and the whole kernel's and its any-count twin's,
+  against the numpy reference (`NumpyKernels`), bit for bit.
 
 What a GPU run adds: the hardware's cp.async, the kernels around these functions (work items,
 flags, peers), timing (tools/gpu_suite.sh)."""
@@ -89,10 +89,10 @@ def test_loops_at_a_shift_write_what_the_aligned_loops_write(headers):
 
 
 @pytest.mark.parametrize("dtype,residual", [("bf16", "input"), ("f16", "input"), ("bf16", "int8")])
-@pytest.mark.parametrize("kernel", ["general", "whole", "any"])
+@pytest.mark.parametrize("kernel", ["general", "shift", "whole", "any"])
 def test_two_shot_phases_match_the_numpy_reference(headers, tmp_path, kernel, dtype, residual):
-    """The phases of the general kernel (a ragged slice, misaligned buffers), of the whole kernel
-    and of its any-count twin (a ragged slice), bit for bit against `NumpyKernels` (ThreadSanitizer
+    """The phases of the general kernel and of its shifted twin (a ragged slice, misaligned
+    buffers), of the whole kernel and of its any-count twin (a ragged slice), bit for bit against `NumpyKernels` (ThreadSanitizer
     on the default's: bfloat16, residuals of its type)."""
     sanitize = (dtype, residual) == ("bf16", "input")
     _run(_build(headers, "loops_check", sanitize=sanitize), tmp_path, kernel, dtype, residual)

@@ -153,7 +153,8 @@ def test_whole_kernels_only_on_aligned_buffers_of_the_count(P):
 def test_first_kernel_whole_then_any_count_then_general(P):
     """`FusedPaths.first_kernel`: on aligned buffers the whole-slice kernel for a multiple of 512, its
     any-count twin for another count where the table has one (the default options' two-shot), the
-    general kernel where it has none (``rounding=True``, one_shot_q) or a buffer is off alignment."""
+    general kernel where it has none (``rounding=True``, one_shot_q) or a buffer is off alignment,
+    its shifted twin where the table has one and the input or output is off 16-byte alignment."""
     from types import SimpleNamespace
 
     import ml_dtypes
@@ -165,17 +166,22 @@ def test_first_kernel_whole_then_any_count_then_general(P):
     paths.whole = True
     bf = ml_dtypes.bfloat16
 
-    def first(family, n, off=0, rounding=False):
+    def first(family, n, off=0, rounding=False, x_off=0, res_off=0):
         L = Layout(n, P, DEFAULT_CODEC)
         S = L.slice_elems
-        state = SimpleNamespace(inputs=_Buf(P * S, 1 << 20, bf), output=_Buf(S, 2 << 20, bf), rounding=rounding)
-        return paths.first_kernel(family, L, _Buf(n, 3 << 20, bf), _Buf(n, (4 << 20) + 2 * off, bf), state)
+        state = SimpleNamespace(inputs=_Buf(P * S, 1 << 20, bf), output=_Buf(S, (2 << 20) + 2 * res_off, bf),
+                                rounding=rounding)
+        return paths.first_kernel(family, L, _Buf(n, (3 << 20) + 2 * x_off, bf), _Buf(n, (4 << 20) + 2 * off, bf),
+                                  state)
 
     whole, odd = P * 8192, P * 8192 - 17
     assert first("two_shot", whole).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole"
     assert first("two_shot", odd).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole_any"
-    assert first("two_shot", odd, off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"
-    assert first("two_shot", whole, off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"
+    assert first("two_shot", odd, off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_shift"
+    assert first("two_shot", whole, x_off=8).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole"
+    assert first("two_shot", whole, x_off=7).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_shift"
+    assert first("two_shot", whole, res_off=1).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"
+    assert first("two_shot", odd, off=1, rounding=True).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32"
     assert first("two_shot", odd, rounding=True).name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32"
     assert first("one_shot_q", odd).name == "echo_one_shot_q_bf16_resbf16_int4_h32"
     assert first("one_shot_q", whole).name == "echo_one_shot_q_bf16_resbf16_int4_h32_whole"

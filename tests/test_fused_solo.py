@@ -497,10 +497,14 @@ def test_run_solo_codecs_and_residuals_on_an_emulated_gpu(emulated_gpu, cd, rdt,
 
 def test_offset_buffers_take_the_general_kernels(emulated_gpu):
     """``offset=1`` (``--offset 1``): input and output one element past an aligned address, so every
-    kernel runs its general form, and its first call is still the reference."""
+    kernel runs its general form (the two-shot's shifted twin), and its first call is still the
+    reference."""
     res = fused_solo.run_solo([2, 3], [2 * 3 * 4096], iters=2, reps=1, offset=1)
     cases = [c for cs in res.values() for c in cs.values()]
     assert len(cases) == 8 and all(c.fits and c.check == "ok" and not c.whole for c in cases)
+    assert all(c.shifted == (fused_solo.FAMILY[c.kernel] == "two_shot") for c in cases)
+    n = 2 * 3 * 4096
+    assert "(shifted)" in fused_solo.table(2, [(n, res[(2, n)])], ["general"], 2, 4.0, {(2, n): {"two_shot": (n, 1.0)}})
     aligned = fused_solo.run_solo([2], [2 * 3 * 4096], kernels=["whole"], iters=2, reps=1)
     assert aligned[(2, 2 * 3 * 4096)]["whole"].whole
 
@@ -534,6 +538,9 @@ def test_baseline_without_a_kernel_says_which(tmp_path):
     base = _baseline(tmp_path, ["echo_dequantize_bf16_int4_h32"])
     with pytest.raises(KeyError, match="no kernel echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole"):
         base.function("echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole")
+    general = "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32"      # a build from before the shifted twins
+    assert _baseline(tmp_path, [general]).resolve(general + "_shift") == general
+    assert _baseline(tmp_path, [general, general + "_shift"]).resolve(general + "_shift") == general + "_shift"
     assert fused_solo.columns(["whole", "q"], True) == ["whole", "whole@base", "q", "q@base"]
     assert fused_solo.columns(["whole", "q"], False) == ["whole", "q"]
 

@@ -19,26 +19,27 @@ def test_table_counts_and_names():
     # per wire codec: reduce_quantize for (input, residual, reference) = 2 x 3 x 2 + 2; dequantize and
     # its sum of parts per output type; the fused two-shot per (input, residual) and for 16-bit data
     # with the float32 owner reference, the quantized one-shot per (input, residual), each for any and
-    # for whole slices, the whole 16-bit two-shots with the float32 reference and residuals of the
-    # input's type or int8 for any count too; per pair, its owner's reduce_quantize and fused
+    # for whole slices, the 16-bit two-shots with the float32 reference and residuals of the input's
+    # type or int8 for any count too (whole) and for misaligned buffers (general); per pair, its owner's reduce_quantize and fused
     # two-shot; the one-shots per type
     assert fam == {"reduce_quantize": 4 * 14, "dequantize": 3 * 3, "dequantize_sum": 3 * 3,
-                   "two_shot": 4 * ((8 + 6) * 2 + 4), "one_shot_q": 3 * 8 * 2, "one_shot": 3, "one_shot_ll": 3}
-    assert len(kt.ALL) == len(kt.BY_NAME) == 256
+                   "two_shot": 4 * ((8 + 6) * 2 + 4 + 4), "one_shot_q": 3 * 8 * 2, "one_shot": 3, "one_shot_ll": 3}
+    assert len(kt.ALL) == len(kt.BY_NAME) == 272
     assert {k.codec for k in kt.ALL} == {"", *codec.CODECS}
-    assert len(kt.kernels_of("int4-h32")) == 68 and len(kt.kernels_of("int4")) == 68
+    assert len(kt.kernels_of("int4-h32")) == 72 and len(kt.kernels_of("int4")) == 72
     mixed = kt.kernels_of(codec.MIXED)      # int4-h32's but its two-shot, the pair's own, int7-h32's decodes
-    assert len(mixed) == 68 - 32 + 46 + 6 and {k.codec for k in mixed} == {"int4-h32", codec.MIXED, "int7-h32"}
+    assert len(mixed) == 72 - 36 + 50 + 6 and {k.codec for k in mixed} == {"int4-h32", codec.MIXED, "int7-h32"}
     # prebuilt: the default options' kernels (residuals of the input's type or none, rounding off, the
     # flush's refinement round), every type
-    assert codec.DEFAULT_CODEC == codec.MIXED and len(kt.PREBUILT) == 56
+    assert codec.DEFAULT_CODEC == codec.MIXED and len(kt.PREBUILT) == 58
     assert set(kt.PREBUILT) == {k for k in kt.ALL if k.codec == ""} | {k for k in mixed if kt.default_options(k)}
     assert not any(k.res == "i8" for k in kt.PREBUILT)
-    assert {(k.res, k.ref, k.whole, k.any_count) for k in kt.PREBUILT
+    assert {(k.res, k.ref, k.whole, k.any_count, k.shifted) for k in kt.PREBUILT
             if k.family == "two_shot" and k.dtype == "bf16"} == {
-        ("f32", "", False, False), ("f32", "", True, False),      # no feedback
-        ("bf16", "f32", False, False), ("bf16", "f32", True, False), ("bf16", "f32", True, True),  # round 1
-        ("bf16", "", False, False)}                   # a refinement round (the flush) keeps the rounding
+        ("f32", "", False, False, False), ("f32", "", True, False, False),      # no feedback
+        ("bf16", "f32", False, False, False), ("bf16", "f32", False, False, True),   # round 1
+        ("bf16", "f32", True, False, False), ("bf16", "f32", True, True, False),
+        ("bf16", "", False, False, False)}            # a refinement round (the flush) keeps the rounding
     assert {(k.res, k.ref) for k in kt.PREBUILT if k.family == "reduce_quantize" and k.dtype == "bf16"} == {
         ("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16")}     # no feedback; contributions, owner; the flush's owner
     assert kt.Kernel("two_shot", "bf16", codec.MIXED, "i8").name == "echo_two_shot_bf16_resi8_int4_h32_int7_h32"
@@ -54,8 +55,17 @@ def test_table_counts_and_names():
     assert {replace(k, any_count=True) for k in kt.ALL if kt.takes_any_count(k)} == {k for k in kt.ALL if k.any_count}
     anyk = kt.Kernel("two_shot", "bf16", codec.MIXED, "bf16", "f32", True, True)
     assert anyk.name == "echo_two_shot_bf16_resbf16_int4_h32_int7_h32_ref32_whole_any"
-    assert anyk.line().endswith(", 32, 1, 16, 2, true, true, true)")
+    assert anyk.line().endswith(", 32, 1, 16, 2, true, true, true, false)")
     assert not kt.takes_any_count(kt.Kernel("two_shot", "bf16", codec.MIXED, "bf16", whole=True))   # rounding=True
+    # shifted: twins of the same kernels' general two-shots, for buffers off 16-byte alignment
+    assert {replace(k, whole=False, any_count=False) for k in kt.ALL if k.any_count} == {
+        replace(k, shifted=False) for k in kt.ALL if k.shifted}
+    assert {replace(k, shifted=True) for k in kt.ALL if kt.takes_shift(k)} == {k for k in kt.ALL if k.shifted}
+    shiftk = kt.Kernel("two_shot", "f16", codec.MIXED, "i8", "f32", shifted=True)
+    assert shiftk.name == "echo_two_shot_f16_resi8_int4_h32_int7_h32_ref32_shift"
+    assert shiftk.line().endswith(", 32, 1, 16, 2, false, true, false, true)")
+    assert not kt.takes_shift(kt.Kernel("two_shot", "bf16", codec.MIXED, "bf16"))     # rounding=True
+    assert not kt.takes_shift(replace(shiftk, whole=True, shifted=False))
     assert kt.Kernel("reduce_quantize", "f32", "int4", "i8", "f32").name == "echo_reduce_quantize_f32_resi8_reff32_int4"
     assert "echo_two_shot_f32_resf32_int4_h32_ref32" not in kt.BY_NAME     # float32 data: the ref is float32
     assert kt.Kernel("dequantize_sum", "bf16", "int4").name == "echo_dequantize_sum_bf16_int4"

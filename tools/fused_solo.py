@@ -114,10 +114,19 @@ class Baseline:
         self.names = set(json.loads((self.folder / kernel_loader.MANIFEST).read_text())["kernels"])
         self.module = None
 
-    def function(self, name: str):
-        """The baseline's kernel ``name`` (a cupy RawKernel, as `kernel_loader.function` gives)."""
+    def resolve(self, name: str) -> str:
+        """The baseline's kernel for ``name``: the same, or for a shifted twin (``_shift``) the
+        general kernel of a build from before the twins, which ran misaligned buffers itself."""
+        general = name.removesuffix("_shift")
+        if name not in self.names and general != name and general in self.names:
+            return general
         if name not in self.names:
             raise KeyError(f"--baseline {self.folder}: no kernel {name} (build it there with --all)")
+        return name
+
+    def function(self, name: str):
+        """The baseline's kernel ``name`` (a cupy RawKernel, as `kernel_loader.function` gives)."""
+        name = self.resolve(name)
         if self.module is None:
             import cupy
 
@@ -338,6 +347,7 @@ class Case:
     check: str = ""          # "ok", or what differed; "" before the check ran
     whole: bool = False      # the whole-slice kernel ran (a "whole" one falls back on ragged slices)
     any_count: bool = False  # ... its any-count twin (the count not a multiple of 512)
+    shifted: bool = False    # a general one's shifted twin ran (input or output off 16-byte alignment)
     fits: bool = True
     later: dict = field(default_factory=dict)   # two-shot, --phases: "owner" / "decode": the times of
                                                 # launches that start there (the phases before skipped)
@@ -502,7 +512,7 @@ def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, resi
                     run, _ = prepare(layout, x, out, state)
                 runs[kn] = run
                 first = p.first_kernel(family, layout, x, out, state)
-                cases[kn].whole, cases[kn].any_count = first.whole, first.any_count
+                cases[kn].whole, cases[kn].any_count, cases[kn].shifted = first.whole, first.any_count, first.shifted
                 region = p.peers.regions[-1]
                 # the checked first call: zero residuals, as the peers' data assumes
                 for r in (state.inputs, state.output):
@@ -621,6 +631,8 @@ def table(P, cases_by_size, kernels, iters, copy_tbs, floors, graph=False) -> st
                 cell += " (general)"
             elif c.fits and c.any_count:
                 cell += " (any count)"
+            elif c.fits and c.shifted:
+                cell += " (shifted)"
             cells.append(cell)
         lines.append(f"| {format_size(nbytes)} | " + " | ".join(cells) + " |")
     fams = [f for f in ("two_shot", "one_shot_q") if any(family_of(kn) == f for kn in kernels)]

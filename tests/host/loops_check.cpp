@@ -1,10 +1,10 @@
 // The fused kernels' 16-element loops and the general two-shot's phases run on the host, a warp
-// at a time (warp_host.h). No argument: the general kernels' loops (kShift), on input and output
+// at a time (warp_host.h). No argument: the shifted kernels' loops (kShift), on input and output
 // at every shift off 16-byte alignment, must write the same bytes as the aligned loops on aligned
 // copies of the same data (the contribution, int4-h32; the owner, int4-h32 in and int7-h32 sums,
 // its output apart and in place; the decode, int7-h32), bytes outside a loop's elements left
 // alone; prints one line per failure and a summary, exit status 1 on any failure. With a folder, a
-// kernel (general, whole, any), a type (bf16, f16) and a residual format (input, int8): that
+// kernel (general, shift, whole, any), a type (bf16, f16) and a residual format (input, int8): that
 // kernel's phases on a slice, their inputs and outputs written there for the numpy reference
 // (dump). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
@@ -135,13 +135,14 @@ static void fill_residuals(unsigned char* p) {
 
 // The two-shot's phases (fused_phases.cuh) on one slice of n valid elements of type T with
 // residuals of type R (T, or the int8 format), every warp of the block in turn, one tile: the
-// general kernels' (kWhole false) on n not a multiple of 512 (the 16-element loops, then the
-// 8-element ones for the rest) with the input and outputs off 16-byte alignment; the whole
-// kernels' on aligned buffers, and their any-count twins' (kAny) on n not a multiple of 512.
+// general kernels' (kWhole false) on n not a multiple of 512 with the input and outputs off 16-byte
+// alignment (the 8-element loops alone; their shifted twins', kShift: the 16-element loops, then
+// the 8-element ones for the rest); the whole kernels' on aligned buffers, and their any-count
+// twins' (kAny) on n not a multiple of 512.
 // Inputs and outputs go to dir for the numpy reference (tests/test_cuda_host.py): x, r0 (the
 // residuals before), incoming (two int4-h32 slices), wire4 and res4 (the contribution), wire7,
 // res7 and out (the owner, own_pos 1), dec (the decode of wire7); n in n.txt.
-template <typename T, typename R, bool kWhole, bool kAny>
+template <typename T, typename R, bool kWhole, bool kAny, bool kShift>
 static void dump(const std::string& dir, i64 n) {
     constexpr int kX = kWhole ? 0 : 6, kOut = kWhole ? 0 : 10, kDec = kWhole ? 0 : 14;
     const size_t vb = 2 * S, rb = res_bytes<R>(), b4 = Wire<32, kInt4H32>::slice_bytes(S),
@@ -155,17 +156,17 @@ static void dump(const std::string& dir, i64 n) {
     std::memcpy(res7.base(), r0.base(), rb);
     const T* own = reinterpret_cast<const T*>(x.base());
     run_block([&] {
-        phase_contribute<T, R, 32, kInt4H32, kWhole, kAny>(own, n, reinterpret_cast<R*>(res4.base()),
-                                                           wire4.base(), S, 0, 1);
+        phase_contribute<T, R, 32, kInt4H32, kWhole, kAny, kShift>(own, n, reinterpret_cast<R*>(res4.base()),
+                                                                   wire4.base(), S, 0, 1);
     });
     run_block([&] {
-        phase_reduce<T, R, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny>(
+        phase_reduce<T, R, float, 16, kInt7H32, 32, kInt4H32, kWhole, kAny, kShift>(
             incoming.base(), 2, 1, own, n, reinterpret_cast<R*>(res7.base()), wire7.base(), S, nullptr, 0, 0, 1,
             nullptr, 0, 0, reinterpret_cast<T*>(out.base()), n);
     });
     run_block([&] {
-        phase_decode<T, 16, kInt7H32, kWhole, false, kAny>(wire7.base(), reinterpret_cast<T*>(dec.base()), n, S,
-                                                            0, 0, 1, 0);
+        phase_decode<T, 16, kInt7H32, kWhole, false, kAny, kShift>(wire7.base(), reinterpret_cast<T*>(dec.base()),
+                                                                    n, S, 0, 0, 1, 0);
     });
     const std::pair<const char*, Buf*> files[] = {
         {"x", &x}, {"r0", &r0}, {"incoming", &incoming}, {"wire4", &wire4}, {"res4", &res4},
@@ -181,15 +182,16 @@ static void dump(const std::string& dir, i64 n) {
 }
 template <typename T, typename R>
 static int dump_kernel(const std::string& dir, const std::string& kernel) {
-    if (kernel == "general") dump<T, R, false, false>(dir, S - 300);
-    else if (kernel == "whole") dump<T, R, true, false>(dir, S);
-    else if (kernel == "any") dump<T, R, true, true>(dir, S - 300);
+    if (kernel == "general") dump<T, R, false, false, false>(dir, S - 300);
+    else if (kernel == "shift") dump<T, R, false, false, true>(dir, S - 300);
+    else if (kernel == "whole") dump<T, R, true, false, false>(dir, S);
+    else if (kernel == "any") dump<T, R, true, true, false>(dir, S - 300);
     else return 2;
     return 0;
 }
 
 int main(int argc, char** argv) {
-    if (argc > 4) {   // folder, general | whole | any, bf16 | f16, input | int8
+    if (argc > 4) {   // folder, general | shift | whole | any, bf16 | f16, input | int8
         const std::string dir = argv[1], kernel = argv[2], t = argv[3], r = argv[4];
         if (t == "bf16" && r == "int8") return dump_kernel<bf16_t, i8res_t>(dir, kernel);
         if (t == "bf16") return dump_kernel<bf16_t, bf16_t>(dir, kernel);

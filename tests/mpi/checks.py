@@ -402,10 +402,10 @@ def check_fused_reference():
     and counts that run the any-count twin where there is one (`kernel_table.takes_any_count`), the
     general kernel elsewhere: 513 and 3 * 8192 + 17 (the last 512-element block in part);
     at 37 * 512 and 3 * 8192 + 17 rank 0's buffers are one element off 16-byte alignment, so rank 0
-    runs the general kernel and its peers the whole or any-count one, which must agree on what they
-    leave alone past the count;
+    runs a general kernel (the shifted twin where there is one, `kernel_table.takes_shift`) and its
+    peers the whole or any-count one, which must agree on what they leave alone past the count;
     at 100_003 every rank's buffers are off alignment, each by its own number of elements (the
-    shifted loads and stores of the general loops); the one-shot equals the float32 sum in rank
+    shifted kernels' loads and stores at each shift); the one-shot equals the float32 sum in rank
     order rounded once, low-latency (up to 1 MiB) and tiled. Ranks sharing a GPU split its blocks, so
     that their kernels may also run at once (under MPS: tools/gpu_suite.sh); the low-latency
     one-shot's grid is its words / 256 (a block waits for the same block of every peer), so its
@@ -462,6 +462,7 @@ def check_fused_reference():
                         k = paths.first_kernel(algo, L, xg, out, state)
                         assert k.whole == (not off and (n % 512 == 0 or loop16)), (n, k.name)
                         assert k.any_count == (k.whole and n % 512 != 0), (n, k.name)
+                        assert k.shifted == (bool(off) and loop16), (n, k.name)
                         run(L, xg, out, state, rounds)
                         cupy.cuda.runtime.deviceSynchronize()
                         what = f"fused {algo} rounding={rounding} {codec_name} {dt} res={rdt} n={n} call={t}"
