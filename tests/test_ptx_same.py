@@ -44,7 +44,8 @@ def test_names_and_register_numbers_do_not_count():
 
 def test_instructions_and_register_roles_count():
     base = ptx_same.normalize(ptx())
-    assert ptx_same.normalize(ptx(extra="\n\tadd.s32 \t%r9, %r9, 1;")) != base
+    added = ptx_same.normalize(ptx(extra="\n\tadd.s32 \t%r9, %r9, 1;"))
+    assert added != base and ptx_same.instructions_differing(base, added) == 1
     assert ptx_same.normalize(ptx(c=5)) != base           # the sum overwrites its operand: another program
     assert ptx_same.normalize(ptx().replace("add.s32", "sub.s32")) != base
 

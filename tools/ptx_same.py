@@ -9,7 +9,9 @@ flags), and the two are compared after renaming what carries no meaning: comment
 names (a template parameter added with its default changes them) and virtual registers, each
 renumbered in order of first use. "same" then means the same instructions in the same order, so
 ptxas makes the same SASS of them: a time measured on one checkout's kernel stands for the other's.
-Prints a line a kernel (same, or the count of differing lines) and exits 1 if any differ.
+Prints a line a kernel (same, or how many lines differ with register numbers erased: about how
+many instructions changed) and exits 1 if any differ. nvcc runs through `echonccl.build.nvcc_run`
+(cached under ``ECHONCCL_DEV_NVCC_CACHE`` when set).
 This checkout is the one the script lies in.
 """
 from __future__ import annotations
@@ -20,11 +22,12 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from echonccl import build  # noqa: E402  (this checkout's, from any directory)
 
 # Run in a checkout (its root first on sys.path): the fused prebuilt kernels' names and one-kernel
 # translation units, as JSON.
@@ -69,16 +72,19 @@ def units(checkout: Path) -> dict:
     return json.loads(r.stdout)
 
 
-def compile_ptx(nvcc: str, table: dict, name: str, arch: str) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        for n, text in table["headers"].items():
-            Path(tmp, n).write_text(text)
-        Path(tmp, "k.cu").write_text(table["units"][name])
-        r = subprocess.run([nvcc, "-ptx", *table["flags"], "-arch", arch, "-diag-suppress", "128",
-                            "-o", "k.ptx", "k.cu"], cwd=tmp, capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"ptx_same: nvcc failed on {name}:\n{r.stderr[-2000:]}")
-        return Path(tmp, "k.ptx").read_text()
+def compile_ptx(table: dict, name: str, arch: str) -> str:
+    inputs = {n: text.encode() for n, text in table["headers"].items()} | {"k.cu": table["units"][name].encode()}
+    out, _ = build.nvcc_run(["-ptx", *table["flags"], "-arch", arch, "-diag-suppress", "128", "-o", "k.ptx", "k.cu"],
+                            inputs, ["k.ptx"])
+    return out["k.ptx"].read_text()
+
+
+def instructions_differing(x: list[str], y: list[str]) -> int:
+    """Lines of two normalized PTX texts that differ with register numbers erased: about how many
+    instructions changed (renumbering after an added instruction would count every later line)."""
+    erase = [_REGISTER.sub(r"%\1", line) for line in x], [_REGISTER.sub(r"%\1", line) for line in y]
+    return sum(1 for d in difflib.unified_diff(*erase, n=0, lineterm="")
+               if d[:1] in "+-" and d[:3] not in ("+++", "---"))
 
 
 def main(argv=None) -> int:
@@ -89,11 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from echonccl.build import find_nvcc
-
-    nvcc = find_nvcc()
-    if nvcc is None:
+    if build.find_nvcc() is None:
         raise SystemExit("ptx_same: nvcc not found (set NVCC or put it on PATH)")
     mine, other = units(ROOT), units(a.other.resolve())
     names = sorted(n for n in set(mine["units"]) & set(other["units"]) if a.match in n)
@@ -102,16 +104,15 @@ def main(argv=None) -> int:
     only = sorted(set(mine["units"]) ^ set(other["units"]))
 
     def compare(name):
-        x = normalize(compile_ptx(nvcc, other, name, a.arch))
-        y = normalize(compile_ptx(nvcc, mine, name, a.arch))
-        return name, sum(1 for d in difflib.unified_diff(x, y, n=0, lineterm="")
-                         if d[:1] in "+-" and d[:3] not in ("+++", "---"))
+        x = normalize(compile_ptx(other, name, a.arch))
+        y = normalize(compile_ptx(mine, name, a.arch))
+        return name, x == y, instructions_differing(x, y)
 
     differ = 0
     with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        for name, lines in pool.map(compare, names):
-            differ += lines > 0
-            print(f"{'same' if lines == 0 else f'{lines} lines differ'}: {name}")
+        for name, same, lines in pool.map(compare, names):
+            differ += not same
+            print(f"same: {name}" if same else f"differs ({lines} lines, register numbers aside): {name}")
     for n in only:
         print(f"in one checkout only: {n}")
     print(f"# {len(names) - differ} of {len(names)} kernels the same PTX ({a.arch}) as {a.other}")
