@@ -5,7 +5,7 @@
     python tools/stall_profile.py --lib fb/pcsampling.so --cupti $CUPTI/lib \\
         [--codecs int4 int4-h32] [--match in=bfloat16] [--period 9] [--iters 20] [--json F]
     python tools/stall_profile.py --lib ... --cupti ... --fused [--ranks 2] [--sizes 16M 1G]
-        [--kernels whole] [--codec C] [--residual input|float32|int8] [--json F]
+        [--kernels whole] [--codec C] [--residual input|float32|int8] [--offset N] [--json F]
     python tools/stall_profile.py --annotate F --sass K.sass      # no GPU
 
 ($CUPTI: the nvidia-cuda-cupti wheel's nvidia/cu13, unzipped.) The kernels are
@@ -215,6 +215,8 @@ def main(argv=None):
     p.add_argument("--codec", default=None, help="--fused: the codec (default: the default codec)")
     p.add_argument("--residual", default="input", choices=RESIDUAL_FORMATS,
                    help="--fused: the residuals' format (Feedback(residual_dtype=))")
+    p.add_argument("--offset", type=int, default=0,
+                   help="--fused: input and output that many elements off alignment (fused_solo.py --offset)")
     p.add_argument("--period", type=int, default=9, help="a sample every 2^period cycles per SM")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=12, help="hottest PCs listed per case")
@@ -247,12 +249,12 @@ def main(argv=None):
 
         def observe(P, nbytes, kernel, launch, starts):
             for phase, first in starts.items():
-                name = f"P={P} {format_size(nbytes)} {kernel} from {phase}"
+                name = f"P={P} {format_size(nbytes)} {kernel}{f' offset {a.offset}' if a.offset else ''} from {phase}"
                 got = profile(L, lambda: launch(first), a.iters, nreasons)
                 dump["cases"].append(report(name, reasons, *got, a.top))
 
         fused_solo.run_solo(a.ranks, [parse_size(s) for s in a.sizes], a.kernels, a.codec or codec.DEFAULT_CODEC,
-                            a.residual, iters=a.iters, reps=1, observe=observe)
+                            a.residual, iters=a.iters, reps=1, observe=observe, offset=a.offset)
     else:
         import kernel_bench
 
