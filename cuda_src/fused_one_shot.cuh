@@ -5,6 +5,7 @@
 #ifndef ECHO_FUSED_ONE_SHOT_CUH
 #define ECHO_FUSED_ONE_SHOT_CUH
 
+#include "codec_wire.cuh"
 #include "fused_sync.cuh"
 
 namespace echo {
