@@ -1,9 +1,11 @@
-// Host stand-ins for the CUDA built-ins of cuda_src/, so that its device code runs on a CPU one
-// warp at a time: one std::thread a lane (run_warp), __syncwarp (and __syncthreads: one warp is
-// the block) a barrier of the 32, __shfl_xor_sync an exchange between two barriers, `__shared__`
-// memory a plain global, and inline PTX (made calls of echo_host::ptx by hostify.py) interpreted
-// here: the sm_90 paths (__CUDA_ARCH__ 900), cp.async a copy at issue. Include before the
-// hostified headers; define ECHO_BLOCK as kernel_table does.
+// Host stand-ins for the CUDA built-ins of cuda_src/, so that its device code runs on a CPU: one
+// std::thread a lane, a warp at a time (run_warp: __syncthreads is the warp's barrier, the warp the
+// block) or a whole block at once (run_block_at_once: its warps concurrent, __syncthreads a barrier
+// of all of them); __syncwarp a barrier of the warp's 32, __shfl_xor_sync an exchange between two
+// of them, `__shared__` memory a static (one block at a time in a process: tests/host/fused_check.cpp
+// runs each block in a process of its own), atomics the compiler's, and inline PTX (made calls of
+// echo_host::ptx by hostify.py) interpreted here: the sm_90 paths (__CUDA_ARCH__ 900), cp.async a
+// copy at issue. Include before the hostified headers; define ECHO_BLOCK as kernel_table does.
 #ifndef ECHO_WARP_HOST_H
 #define ECHO_WARP_HOST_H
 
@@ -16,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -26,7 +29,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __noinline__
-#define __shared__
+#define __shared__ [[maybe_unused]] static
 #define __align__(n) alignas(n)
 #define __launch_bounds__(...)
 
@@ -37,9 +40,14 @@ inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 struct HostDim3 { unsigned x = 0, y = 0, z = 0; };
 inline thread_local HostDim3 threadIdx;
 inline HostDim3 blockIdx, blockDim{ECHO_BLOCK, 1, 1}, gridDim{1, 1, 1};
-inline std::barrier<>* g_host_warp_barrier = nullptr;
-inline void __syncwarp(unsigned = 0xffffffffu) { g_host_warp_barrier->arrive_and_wait(); }
-inline void __syncthreads() { __syncwarp(); }
+// The calling lane's warp: its barrier, its block's, its shuffle slots (set by run_warp and run_block_at_once).
+inline thread_local std::barrier<>* t_warp_barrier = nullptr;
+inline thread_local std::barrier<>* t_block_barrier = nullptr;
+inline thread_local unsigned* t_shfl_slots = nullptr;
+inline void __syncwarp(unsigned = 0xffffffffu) { t_warp_barrier->arrive_and_wait(); }
+inline void __syncthreads() { t_block_barrier->arrive_and_wait(); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
     s &= 31u;
     return (unsigned)((((unsigned long long)hi << 32) | lo) >> s);
@@ -59,7 +67,7 @@ template <typename T> T max(T a, T b) { return a > b ? a : b; }
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
     static_assert(sizeof(T) == 4, "32-bit shuffles");
-    static unsigned slots[32];
+    unsigned* slots = t_shfl_slots;
     const int lane = (int)(threadIdx.x & 31);
     __syncwarp();
     std::memcpy(&slots[lane], &v, 4);
@@ -72,20 +80,40 @@ T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
 // body(lane) on the 32 lanes of warp `warp` of a block, concurrently; returns when all are done.
 inline void run_warp(int warp, const std::function<void(int)>& body) {
     std::barrier<> bar(32);
-    g_host_warp_barrier = &bar;
+    unsigned slots[32];
     std::vector<std::thread> lanes;
     for (int l = 0; l < 32; ++l)
         lanes.emplace_back([&, l] {
             threadIdx.x = (unsigned)(32 * warp + l);
+            t_warp_barrier = t_block_barrier = &bar;
+            t_shfl_slots = slots;
             body(l);
         });
     for (auto& t : lanes) t.join();
-    g_host_warp_barrier = nullptr;
 }
 // body() on every warp of a block (ECHO_BLOCK threads), one warp after another: stricter than
 // the warps running at once, so right for code whose warps share nothing between barriers.
 inline void run_block(const std::function<void()>& body) {
     for (int w = 0; w < ECHO_BLOCK / 32; ++w) run_warp(w, [&](int) { body(); });
+}
+// body() on the ECHO_BLOCK threads of a block at once, its warps concurrent: what a kernel's item
+// loop needs (its barriers order the warps).
+inline void run_block_at_once(const std::function<void()>& body) {
+    constexpr int kWarps = ECHO_BLOCK / 32;
+    std::barrier<> block(ECHO_BLOCK);
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (int w = 0; w < kWarps; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
+    std::vector<unsigned> slots(ECHO_BLOCK);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < ECHO_BLOCK; ++t)
+        threads.emplace_back([&, t] {
+            threadIdx.x = (unsigned)t;
+            t_warp_barrier = warps[t / 32].get();
+            t_block_barrier = &block;
+            t_shfl_slots = &slots[t & ~31];
+            body();
+        });
+    for (auto& t : threads) t.join();
 }
 
 namespace echo_host {
@@ -188,8 +216,10 @@ inline void ptx(const char* tmpl, std::initializer_list<Op> list) {
         return;
     }
     if (is("cp.async.commit_group;") || t.rfind("cp.async.wait_group", 0) == 0) return;
-    if (is("ld.acquire.sys.global.u32 %0, [%1];"))
+    if (is("ld.acquire.sys.global.u32 %0, [%1];")) {   // a flag's spin: the lanes it waits for get the CPU
+        std::this_thread::yield();
         return set(o[0], __atomic_load_n(reinterpret_cast<unsigned*>((uintptr_t)o[1].bits), __ATOMIC_ACQUIRE));
+    }
     if (is("st.release.sys.global.u32 [%0], %1;"))
         return __atomic_store_n(reinterpret_cast<unsigned*>((uintptr_t)o[0].bits), u32(o[1]), __ATOMIC_RELEASE);
     if (is("mov.u64 %0, %%globaltimer;"))

@@ -1,0 +1,152 @@
+// The fused two-shot kernel whole on the host: P ranks, each a process making its calls one after
+// another, each call's blocks a process each with its ECHO_BLOCK threads at once
+// (run_block_at_once), the ranks' regions, peer tables and buffers in memory that every process
+// shares (MAP_SHARED, mapped before the first fork). What the phase checks (loops_check.cpp) leave
+// out: the work items and their order, flags and epochs, each peer's slots, the ticket and epoch at
+// a call's end, several blocks and calls, ranks out of step (the last rank starts each call late,
+// with one block where the others have BLOCKS).
+//
+//   fused_check DIR KERNEL P COUNT S TILES BLOCKS CALLS OFFSET REGION_BYTES
+//
+// DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
+// ECHO_TWO_SHOT_KERNEL lines and kKernels, KERNEL one of its names. DIR/table_R.bin: rank R's
+// PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
+// memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
+// put OFFSET elements past a 256-byte boundary, as is its output. Writes DIR/out_R_C.bin,
+// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call); prints "ok", or what
+// failed (exit status 1). Built and run by tests/test_cuda_host.py.
+#include "warp_host.h"
+
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include "fused.cuh"
+#include "kernels.h"
+
+using echo::bf16;
+using echo::i64;
+
+constexpr int kTableWords = 7 * echo::kMaxRanks + 1;   // peer_memory.peer_table's words
+constexpr i64 kTimeoutNs = 60'000'000'000;   // a correct run takes seconds, with 1500 threads on 2 cores
+
+static std::string g_dir;
+static std::string path(const std::string& name) { return g_dir + "/" + name; }
+static void read_file(const std::string& name, void* p, size_t n) {
+    FILE* f = std::fopen(path(name).c_str(), "rb");
+    if (!f || std::fread(p, 1, n, f) != n) { std::fprintf(stderr, "cannot read %s\n", name.c_str()); std::exit(2); }
+    std::fclose(f);
+}
+static void write_file(const std::string& name, const void* p, size_t n) {
+    FILE* f = std::fopen(path(name).c_str(), "wb");
+    if (!f || std::fwrite(p, 1, n, f) != n) { std::fprintf(stderr, "cannot write %s\n", name.c_str()); std::exit(2); }
+    std::fclose(f);
+}
+// Waits for every child in pids; true if each exited with status 0.
+static bool wait_all(const std::vector<pid_t>& pids) {
+    bool ok = true;
+    for (pid_t p : pids) {
+        int st = 0;
+        ok = waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0 && ok;
+    }
+    return ok;
+}
+
+int main(int argc, char** argv) {
+    if (argc != 11) {
+        std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES BLOCKS CALLS OFFSET REGION_BYTES\n");
+        return 2;
+    }
+    g_dir = argv[1];
+    const std::string kernel = argv[2];
+    const int P = std::atoi(argv[3]), blocks = std::atoi(argv[7]), calls = std::atoi(argv[8]);
+    const i64 count = std::atoll(argv[4]), S = std::atoll(argv[5]), tiles = std::atoll(argv[6]),
+              offset = std::atoll(argv[9]), region_bytes = std::atoll(argv[10]);
+    TwoShotFn fn = nullptr;
+    for (const auto& k : kKernels)
+        if (kernel == k.name) fn = k.fn;
+    if (!fn || P < 2 || P > echo::kMaxRanks) return 2;
+
+    // Shared memory: the regions, then each rank's table, residuals, and per call its input and output.
+    auto round_up = [](i64 n) { return (n + 255) / 256 * 256; };
+    const i64 vec = round_up((count + offset) * 2), res_in = round_up(P * S * 2), res_out = round_up(S * 2);
+    const i64 per_rank = round_up(kTableWords * 8) + res_in + res_out + 2 * calls * vec;
+    const i64 bytes = P * region_bytes + P * per_rank;
+    auto* base = static_cast<unsigned char*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+    if (base == MAP_FAILED) return 2;
+    struct Rank {
+        echo::Ctl* ctl;
+        echo::PeerTable* table;
+        bf16 *res_in, *res_out;
+        std::vector<bf16*> x, out;
+    };
+    std::vector<Rank> ranks(P);
+    for (int r = 0; r < P; ++r) {
+        Rank& k = ranks[r];
+        unsigned char* p = base + P * region_bytes + r * per_rank;
+        k.ctl = reinterpret_cast<echo::Ctl*>(base + r * region_bytes);   // a region's first bytes
+        auto* words = reinterpret_cast<unsigned long long*>(p);
+        read_file("table_" + std::to_string(r) + ".bin", words, kTableWords * 8);
+        for (int i = 0; i < kTableWords - 1; ++i)   // the last word is a size (push_half)
+            if (words[i]) words[i] += reinterpret_cast<unsigned long long>(base);
+        k.table = reinterpret_cast<echo::PeerTable*>(p);
+        p += round_up(kTableWords * 8);
+        k.res_in = reinterpret_cast<bf16*>(p), p += res_in;
+        k.res_out = reinterpret_cast<bf16*>(p), p += res_out;
+        for (int c = 0; c < calls; ++c) {
+            k.x.push_back(reinterpret_cast<bf16*>(p) + offset), p += vec;
+            k.out.push_back(reinterpret_cast<bf16*>(p) + offset), p += vec;
+            read_file("x_" + std::to_string(r) + "_" + std::to_string(c) + ".bin", k.x[c], count * 2);
+        }
+    }
+
+    // Rank r: its calls in order, each a process a block; the last rank starts each call late and
+    // runs one block, so that the others wait for it and run a call ahead of it.
+    std::vector<pid_t> rank_pids;
+    for (int r = 0; r < P; ++r) {
+        const pid_t pid = fork();
+        if (pid < 0) return 2;
+        if (pid > 0) { rank_pids.push_back(pid); continue; }
+        const Rank& k = ranks[r];
+        for (int c = 0; c < calls; ++c) {
+            if (r == P - 1) usleep(200000);
+            const int grid = r == P - 1 ? 1 : blocks;
+            std::vector<pid_t> block_pids;
+            for (int b = 0; b < grid; ++b) {
+                const pid_t q = fork();
+                if (q < 0) _exit(2);
+                if (q > 0) { block_pids.push_back(q); continue; }
+                blockIdx.x = (unsigned)b;
+                gridDim.x = (unsigned)grid;
+                run_block_at_once([&] {
+                    fn(k.x[c], count, k.out[c], count, k.res_in, k.res_out, S, r, P, tiles, tiles, 0, k.table,
+                       k.ctl, kTimeoutNs);
+                });
+                _exit(0);
+            }
+            if (!wait_all(block_pids)) _exit(1);
+        }
+        _exit(0);
+    }
+    const bool ok = wait_all(rank_pids);
+
+    int failed = 0;
+    for (int r = 0; r < P; ++r) {
+        const Rank& k = ranks[r];
+        if (k.ctl->error) std::printf("rank %d: a wait timed out\n", r), ++failed;
+        if (k.ctl->ticket || k.ctl->done || k.ctl->epoch != (unsigned)calls)
+            std::printf("rank %d: ctl after %d calls: epoch %u ticket %u done %u\n", r, calls, k.ctl->epoch,
+                        k.ctl->ticket, k.ctl->done), ++failed;
+        for (int c = 0; c < calls; ++c)
+            write_file("out_" + std::to_string(r) + "_" + std::to_string(c) + ".bin", k.out[c], count * 2);
+        write_file("res_in_" + std::to_string(r) + ".bin", k.res_in, P * S * 2);
+        write_file("res_out_" + std::to_string(r) + ".bin", k.res_out, S * 2);
+    }
+    if (!ok) std::printf("a rank or block process failed\n"), ++failed;
+    if (!failed) std::printf("ok\n");
+    return failed ? 1 : 0;
+}
