@@ -31,7 +31,7 @@ using echo::bf16;
 using echo::i64;
 
 constexpr int kTableWords = 7 * echo::kMaxRanks + 1;   // peer_memory.peer_table's words
-constexpr i64 kTimeoutNs = 60'000'000'000;   // a correct run takes seconds, with 1500 threads on 2 cores
+constexpr i64 kTimeoutNs = 60'000'000'000;   // a correct run takes seconds (P = 3: 1280 threads on 2 cores)
 
 static std::string g_dir;
 static std::string path(const std::string& name) { return g_dir + "/" + name; }
