@@ -68,8 +68,9 @@ def _build(headers: Path, name: str, sanitize: bool) -> Path:
     if key not in _built:
         exe = headers / (name + ("_tsan" if sanitize else ""))
         cmd = [CXX, "-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
-               "-Wno-unknown-pragmas", "-Wno-missing-field-initializers", "-Wno-sign-compare", f"-I{HOST}", f"-I{headers}",
-               "-include", str(headers / "prelude.h"), str(HOST / f"{name}.cpp"), "-o", str(exe)]
+               "-Wno-unknown-pragmas", "-Wno-missing-field-initializers", "-Wno-sign-compare",
+               f"-I{HOST}", f"-I{headers}", "-include", str(headers / "prelude.h"), str(HOST / f"{name}.cpp"),
+               "-o", str(exe)]
         built = subprocess.run(cmd[:1] + ["-fsanitize=thread"] + cmd[1:] if sanitize else cmd, capture_output=True,
                                text=True, timeout=300)
         if sanitize and built.returncode != 0 and "tsan" in built.stderr.lower():   # no ThreadSanitizer runtime
@@ -157,8 +158,8 @@ static const KernelEntry kKernels[] = {{{table}}};
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kind", list(FUSED))
 def test_fused_two_shot_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
-    """Two calls of a fused two-shot kernel on P ranks of two blocks each (the last rank late to
-    each call), four tiles a slice: each rank's outputs of both calls and its residuals after them
+    """Two calls of a fused two-shot kernel on P ranks of two blocks each (the last rank one block,
+    late to each call), four tiles a slice: each rank's outputs of both calls and its residuals after them
     are those of the two_shot schedule over `NumpyKernels` with the same feedback, bit for bit.
     whole: a count of whole slices, aligned; any: a ragged last slice, aligned; general and shift: a
     ragged last slice with the input and output one element off 16-byte alignment."""
