@@ -118,7 +118,8 @@ def test_registers_and_spills(prebuilt):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("tool,name", [("fused_solo", "ARM_SOURCE"), ("ticket_bench", "SOURCE"), ("hbm_mix", "SOURCE")])
+@pytest.mark.parametrize("tool,name", [("fused_solo", "ARM_SOURCE"), ("ticket_bench", "SOURCE"), ("hbm_mix", "SOURCE"),
+                                       ("stream_mix", "SOURCE")])
 def test_the_tools_cuda_sources_compile(nvcc, tool, name):
     """The kernels tools/ hand to NVRTC on the GPU machine compile here too (the same PTX for sm_90)."""
     import importlib
@@ -131,6 +132,9 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
         entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
         for case in itertools.product(mod.LAYOUTS, mod.WORKS, mod.STORES, mod.LOADS):
             assert mod.kernel_name(*case) in entries, case
+    if tool == "stream_mix":
+        entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
+        assert entries == set(mod.PHASES) | {"copy_" + s for s in mod.SHAPES}
 
 
 @pytest.mark.nvcc

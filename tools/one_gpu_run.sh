@@ -13,7 +13,8 @@
 # Each run writes OUTDIR/NAME.txt under a time limit. At the end: the time tables the runs printed,
 # the last lines of any run that failed, then a line a run with its status and seconds. Exit status
 # 1 if any run failed. echonccl comes from this checkout, with its prebuilt kernels where built
-# (python -m echonccl.build --arch sm_90; without them each kernel is compiled on first use). Needs
+# (python -m echonccl.build --arch sm_90; without them each kernel is compiled on first use; with
+# --all every kernel of the table, and the tests part compiles none: 274 s against 535 on an H100). Needs
 # what gpu_suite.sh needs. BASELINE=DIR (a prebuilt folder built at another commit): the corners'
 # misaligned run also times the general kernel as that build left it (fused_solo.py --baseline).
 set -uo pipefail
@@ -26,7 +27,13 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 PY=${PY:-python3}
 export PYTHONPATH="$root:$root/tools${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-[[ -f echonccl/prebuilt/manifest.json ]] || echo "one_gpu_run: no echonccl/prebuilt: kernels compile on first use"
+if [[ -f echonccl/prebuilt/manifest.json ]]; then
+  "$PY" -c 'import json; from echonccl import kernel_table as kt
+n = len(json.load(open("echonccl/prebuilt/manifest.json"))["kernels"])
+print(f"one_gpu_run: {n} of the table'"'"'s {len(kt.ALL)} kernels prebuilt; the rest compile on first use")'
+else
+  echo "one_gpu_run: no echonccl/prebuilt: kernels compile on first use"
+fi
 SOLO=("$PY" tools/fused_solo.py --iters 20 --reps 2)
 ODD=(--sizes 16M 16777214 256M 268435454 1G 1073741822)
 BASE=(${BASELINE:+--baseline "$BASELINE"})
