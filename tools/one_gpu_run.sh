@@ -14,7 +14,8 @@
 # the last lines of any run that failed, then a line a run with its status and seconds. Exit status
 # 1 if any run failed. echonccl comes from this checkout, with its prebuilt kernels where built
 # (python -m echonccl.build --arch sm_90; without them each kernel is compiled on first use; with
-# --all every kernel of the table, and the tests part compiles none: 274 s against 535 on an H100). Needs
+# --all every kernel of the table, and the tests part compiles none: 274 s against 535 on an H100,
+# but its kernels' SASS is not the default build's, so time the default build). Needs
 # what gpu_suite.sh needs. BASELINE=DIR (a prebuilt folder built at another commit): the corners'
 # misaligned run also times the general kernel as that build left it (fused_solo.py --baseline).
 set -uo pipefail
