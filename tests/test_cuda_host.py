@@ -9,9 +9,10 @@ shared memory before its warp's barrier is a reported race):
   on the same data, byte for byte; and the three phases of the general two-shot and of its shifted
   twin on a ragged slice with misaligned buffers, and the whole kernel's and its any-count twin's,
   against the numpy reference (`NumpyKernels`), bit for bit;
-* fused_check.cpp: the default two-shot kernels whole (work items, flags and epochs, peers'
-  slots, several blocks, calls and ranks, the ranks out of step), a process a block, against the
-  two_shot schedule on `NumpyKernels`, outputs and residuals bit for bit.
+* fused_check.cpp: the default two-shot and one_shot_q kernels whole (work items, flags and
+  epochs, peers' slots, one_shot_q's push halves, several blocks, calls and ranks, the ranks out of
+  step), a process a block, against their schedules on `NumpyKernels`, outputs and residuals bit
+  for bit.
 
 What a GPU run adds: the hardware's cp.async and memory model, timing (tools/gpu_suite.sh)."""
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 
 from echonccl import codec, dtypes, kernel_table as kt
 from echonccl.feedback import Feedback
-from echonccl.fused import _two_shot_slot
+from echonccl.fused import _one_shot_q_needs, _two_shot_slot
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
 from echonccl.peer_memory import fused_tiles, peer_table, region_layout
@@ -132,24 +133,29 @@ def test_two_shot_phases_match_the_numpy_reference(headers, tmp_path, kernel, dt
         assert (got[n:] == 0xA5A5).all(), f"{name}: elements past the count written"
 
 
-# The default two-shot kernels of 16-bit data (bf16 residuals, rounding=False), by the choice
-# `fused.FusedPaths.first_kernel` makes: fused_check.cpp's names.
+# The default fused kernels of 16-bit data (bf16 residuals; the two-shot's rounding=False), by the
+# choice `fused.FusedPaths.first_kernel` makes: fused_check.cpp's names.
 _TWO_SHOT = kt.Kernel("two_shot", "bf16", codec.DEFAULT_CODEC, "bf16", "f32", True)
+_ONE_SHOT_Q = kt.Kernel("one_shot_q", "bf16", Layout(1, 2, codec.DEFAULT_CODEC).codec, "bf16", whole=True)
 FUSED = {"whole": _TWO_SHOT, "any": replace(_TWO_SHOT, any_count=True),
-         "general": replace(_TWO_SHOT, whole=False), "shift": replace(_TWO_SHOT, whole=False, shifted=True)}
+         "general": replace(_TWO_SHOT, whole=False), "shift": replace(_TWO_SHOT, whole=False, shifted=True),
+         "q_whole": _ONE_SHOT_Q, "q": replace(_ONE_SHOT_Q, whole=False)}
+# a kernel's arguments from fused_check.cpp's Call, in its macro's order (cuda_src/fused.cuh)
+_ARGS = {"two_shot": "c.x, c.count, c.out, c.count, c.res_in, c.res_out, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0",
+         "one_shot_q": "c.x, c.count, c.out, c.count, c.res_in, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0"}
 
 
 @pytest.fixture(scope="module")
 def fused_exe(headers) -> Path:
     """fused_check.cpp built with the `FUSED` kernels' lines of `kernel_table.source` (kernels.h)."""
     lines = [ln for ln in kt.source(list(FUSED.values()), inline=False).splitlines()
-             if ln.startswith("ECHO_TWO_SHOT_KERNEL(")]
+             if ln.startswith(("ECHO_TWO_SHOT_KERNEL(", "ECHO_ONE_SHOT_Q_KERNEL("))]
     assert len(lines) == len(FUSED)
-    first = FUSED["whole"].name
-    table = ", ".join(f'{{"{kind}", &{k.name}}}' for kind, k in FUSED.items())
-    (headers / "kernels.h").write_text("\n".join(lines) + f"""
-using TwoShotFn = decltype(&{first});
-struct KernelEntry {{ const char* name; TwoShotFn fn; }};
+    runs = "".join(f"static void run_{kind}(const Call& c) {{ {k.name}({_ARGS[k.family]}, c.table, c.ctl, c.timeout_ns); }}\n"
+                   for kind, k in FUSED.items())
+    table = ", ".join(f'{{"{kind}", &run_{kind}}}' for kind in FUSED)
+    (headers / "kernels.h").write_text("\n".join(lines) + "\n" + runs + f"""using RunFn = void (*)(const Call&);
+struct KernelEntry {{ const char* name; RunFn fn; }};
 static const KernelEntry kKernels[] = {{{table}}};
 """)
     return _build(headers, "fused_check", sanitize=False)
@@ -157,38 +163,45 @@ static const KernelEntry kKernels[] = {{{table}}};
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kind", list(FUSED))
-def test_fused_two_shot_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
-    """Two calls of a fused two-shot kernel on P ranks of two blocks each (the last rank one block,
-    late to each call), four tiles a slice: each rank's outputs of both calls and its residuals after them
-    are those of the two_shot schedule over `NumpyKernels` with the same feedback, bit for bit.
-    whole: a count of whole slices, aligned; any: a ragged last slice, aligned; general and shift: a
-    ragged last slice with the input and output one element off 16-byte alignment."""
+def test_fused_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
+    """Two calls of a fused kernel on P ranks of two blocks each (the last rank one block, late to
+    each call), four tiles a slice: each rank's outputs of both calls and its residuals after them
+    are those of its schedule (two_shot, one_shot_q) over `NumpyKernels` with the same feedback,
+    bit for bit. whole, q_whole: a count of whole slices, aligned; any: a ragged last slice,
+    aligned; general, shift, q: a ragged last slice with the input and output one element off
+    16-byte alignment."""
     S, calls, blocks = 8 * kt.BLOCK * 8, 2, 2       # 8 chunks of 2048 elements: 4 tiles of two
-    n = P * S - (0 if kind == "whole" else 300)
-    offset = 1 if kind in ("general", "shift") else 0
+    n = P * S - (0 if kind in ("whole", "q_whole") else 300)
+    offset = 1 if kind in ("general", "shift", "q") else 0
+    family = FUSED[kind].family
     layout = Layout(n, P, codec.DEFAULT_CODEC)
     assert layout.slice_elems == S
     tiles = fused_tiles(S)
     assert tiles == 4
-    lay = region_layout(P, _two_shot_slot(layout), tiles)
+    if family == "two_shot":
+        lay, push, max_tiles = region_layout(P, _two_shot_slot(layout), tiles), 0, tiles
+    else:
+        slot, max_tiles, push = _one_shot_q_needs(layout, tiles)
+        lay = region_layout(P, slot, max_tiles, push)
     for r in range(P):
-        peer_table(r, [s * lay["nbytes"] for s in range(P)], lay, 0).tofile(tmp_path / f"table_{r}.bin")
+        peer_table(r, [s * lay["nbytes"] for s in range(P)], lay, push).tofile(tmp_path / f"table_{r}.bin")
     bf16 = dtypes.numpy_dtype("bfloat16")
     xs = [[(np.random.default_rng([c, r]).standard_normal(n) * 4).astype(bf16) for r in range(P)]
           for c in range(calls)]
     for c in range(calls):
         for r in range(P):
             xs[c][r].tofile(tmp_path / f"x_{r}_{c}.bin")
-    _run(fused_exe, tmp_path, kind, P, n, S, tiles, blocks, calls, offset, lay["nbytes"])
+    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, blocks, calls, offset, lay["nbytes"])
 
     G = codec.group_size(codec.DEFAULT_CODEC)
     states = [Feedback("input", rounding=False).bind((n, P, G, "bfloat16"), layout, bf16, np.zeros)
               for _ in range(P)]
     for c in range(calls):
-        outs = simulate("two_shot", xs[c], G, states, 1, codec.DEFAULT_CODEC)
+        outs = simulate(family, xs[c], G, states, 1, codec.DEFAULT_CODEC)
         for r in range(P):
             got = np.fromfile(tmp_path / f"out_{r}_{c}.bin", np.uint16)
             assert np.array_equal(got, outs[r].view(np.uint16)), f"rank {r}, call {c}: output"
     for r, st in enumerate(states):
         assert (tmp_path / f"res_in_{r}.bin").read_bytes() == st.inputs.tobytes(), f"rank {r}: input residuals"
-        assert (tmp_path / f"res_out_{r}.bin").read_bytes() == st.output.tobytes(), f"rank {r}: output residuals"
+        if family == "two_shot":
+            assert (tmp_path / f"res_out_{r}.bin").read_bytes() == st.output.tobytes(), f"rank {r}: output residuals"

@@ -1,19 +1,22 @@
-// The fused two-shot kernel whole on the host: P ranks, each a process making its calls one after
-// another, each call's blocks a process each with its ECHO_BLOCK threads at once
+// The fused two-shot and one_shot_q kernels whole on the host: P ranks, each a process making its
+// calls one after another, each call's blocks a process each with its ECHO_BLOCK threads at once
 // (run_block_at_once), the ranks' regions, peer tables and buffers in memory that every process
 // shares (MAP_SHARED, mapped before the first fork). What the phase checks (loops_check.cpp) leave
 // out: the work items and their order, flags and epochs, each peer's slots, the ticket and epoch at
 // a call's end, several blocks and calls, ranks out of step (the last rank starts each call late,
 // with one block where the others have BLOCKS).
 //
-//   fused_check DIR KERNEL P COUNT S TILES BLOCKS CALLS OFFSET REGION_BYTES
+//   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS CALLS OFFSET REGION_BYTES
 //
 // DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
-// ECHO_TWO_SHOT_KERNEL lines and kKernels, KERNEL one of its names. DIR/table_R.bin: rank R's
+// ECHO_TWO_SHOT_KERNEL and ECHO_ONE_SHOT_Q_KERNEL lines, and kKernels: a name and a function that
+// launches that kernel's block with a Call's arguments (below); KERNEL one of its names. MAX_TILES:
+// the flags a slot of the region holds (TILES for a two-shot, P * TILES for one_shot_q). DIR/table_R.bin: rank R's
 // PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
 // memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
 // put OFFSET elements past a 256-byte boundary, as is its output. Writes DIR/out_R_C.bin,
-// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call); prints "ok", or what
+// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call; one_shot_q has no
+// output residual); prints "ok", or what
 // failed (exit status 1). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
@@ -25,6 +28,19 @@
 #include <string>
 
 #include "fused.cuh"
+
+// One rank's call of a fused kernel: what kernels.h's functions pass on, each in its kernel's order.
+struct Call {
+    const echo::bf16* x;
+    echo::i64 count;
+    echo::bf16* out;
+    echo::bf16 *res_in, *res_out;
+    echo::i64 S, rank, P, tiles, max_tiles;
+    const echo::PeerTable* table;
+    echo::Ctl* ctl;
+    echo::i64 timeout_ns;
+};
+
 #include "kernels.h"
 
 using echo::bf16;
@@ -56,16 +72,16 @@ static bool wait_all(const std::vector<pid_t>& pids) {
 }
 
 int main(int argc, char** argv) {
-    if (argc != 11) {
-        std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES BLOCKS CALLS OFFSET REGION_BYTES\n");
+    if (argc != 12) {
+        std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS CALLS OFFSET REGION_BYTES\n");
         return 2;
     }
     g_dir = argv[1];
     const std::string kernel = argv[2];
-    const int P = std::atoi(argv[3]), blocks = std::atoi(argv[7]), calls = std::atoi(argv[8]);
+    const int P = std::atoi(argv[3]), blocks = std::atoi(argv[8]), calls = std::atoi(argv[9]);
     const i64 count = std::atoll(argv[4]), S = std::atoll(argv[5]), tiles = std::atoll(argv[6]),
-              offset = std::atoll(argv[9]), region_bytes = std::atoll(argv[10]);
-    TwoShotFn fn = nullptr;
+              max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[10]), region_bytes = std::atoll(argv[11]);
+    RunFn fn = nullptr;
     for (const auto& k : kKernels)
         if (kernel == k.name) fn = k.fn;
     if (!fn || P < 2 || P > echo::kMaxRanks) return 2;
@@ -123,8 +139,8 @@ int main(int argc, char** argv) {
                 blockIdx.x = (unsigned)b;
                 gridDim.x = (unsigned)grid;
                 run_block_at_once([&] {
-                    fn(k.x[c], count, k.out[c], count, k.res_in, k.res_out, S, r, P, tiles, tiles, 0, k.table,
-                       k.ctl, kTimeoutNs);
+                    fn(Call{k.x[c], count, k.out[c], k.res_in, k.res_out, S, r, P, tiles, max_tiles, k.table, k.ctl,
+                            kTimeoutNs});
                 });
                 _exit(0);
             }
