@@ -14,11 +14,11 @@ data and residuals (docs/notes/fused.md, "The byte floor"):
 * ``copy``: read 2, write 2 (the kernels' own copy, beside the runtime's).
 
 Every read comes through shared memory by ``cp.async`` a step ahead (input and residual as in the
-fused loops' ``g_ring``, the wire as the decode's copies); every store is 16 bytes a lane, 512
-contiguous bytes an instruction. What a phase of the fused kernel takes beyond
+fused loops' ``g_ring``, the wire as the decode's copies), and (``--reg``) again into registers at
+its step; every store is 16 bytes a lane, 512 contiguous bytes an instruction. What a phase of the fused kernel takes beyond
 its stream's time here is its instructions and its synchronization, not HBM.
 
-    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3]
+    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--shapes]
 
 2^28 elements: a phase of a 1 GiB all-reduce at P = 2 (each rank's slice).
 """
@@ -49,8 +49,8 @@ __device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ 
 
 // n512: runs of 512 elements (1 KiB of 16-bit data). A warp's step is one run: lane l moves the
 // run's 16-byte chunks l and l + 32 of each 16-bit stream, and chunk l of a wire run (WIN, WOUT
-// bytes a run, lanes l < bytes / 16).
-template <int X, int RES, int OUT, int WIN, int WOUT>
+// bytes a run, lanes l < bytes / 16). REG: every read into registers at its step (no ring).
+template <int X, int RES, int OUT, int WIN, int WOUT, int REG>
 __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __restrict__ res, uint4* __restrict__ out,
                                         const uint4* __restrict__ win, uint4* __restrict__ wout, long long n512) {
     __shared__ __align__(16) uint4 ring[2][8][160];   // a warp's input (0-63), residual (64-127), wire (128-159)
@@ -65,17 +65,23 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    issue(r, 0);
+    if (!REG) issue(r, 0);
     for (int step = 0; r < n512; r += warps, ++step) {
         const int k = step & 1;
-        __syncwarp();
-        issue(r + warps, k ^ 1);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-        __syncwarp();
         uint4 a = make_uint4(lane, 0u, 0u, 0u), b = a;
-        if (X) { a = x4(a, ring[k][wp][lane]); b = x4(b, ring[k][wp][lane + 32]); }
-        if (RES) { a = x4(a, ring[k][wp][64 + lane]); b = x4(b, ring[k][wp][96 + lane]); }
-        if (WIN && lane < WIN / 16) a = x4(a, ring[k][wp][128 + lane]);
+        if (REG) {
+            if (X) { a = x4(a, __ldcg(x + 64 * r + lane)); b = x4(b, __ldcg(x + 64 * r + lane + 32)); }
+            if (RES) { a = x4(a, __ldcg(res + 64 * r + lane)); b = x4(b, __ldcg(res + 64 * r + lane + 32)); }
+            if (WIN && lane < WIN / 16) a = x4(a, __ldcg(win + (WIN / 16) * r + lane));
+        } else {
+            __syncwarp();
+            issue(r + warps, k ^ 1);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+            __syncwarp();
+            if (X) { a = x4(a, ring[k][wp][lane]); b = x4(b, ring[k][wp][lane + 32]); }
+            if (RES) { a = x4(a, ring[k][wp][64 + lane]); b = x4(b, ring[k][wp][96 + lane]); }
+            if (WIN && lane < WIN / 16) a = x4(a, ring[k][wp][128 + lane]);
+        }
         if (RES) { res[64 * r + lane] = b; res[64 * r + lane + 32] = a; }
         if (OUT) { out[64 * r + lane] = a; out[64 * r + lane + 32] = b; }
         if (WOUT && lane < WOUT / 16) wout[(WOUT / 16) * r + lane] = x4(a, b);
@@ -84,7 +90,10 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
 }
 #define STREAMS(NAME, X, RES, OUT, WIN, WOUT) extern "C" __global__ void __launch_bounds__(256, 3) \
     NAME(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
-        streams<X, RES, OUT, WIN, WOUT>(x, res, out, win, wout, n512); }
+        streams<X, RES, OUT, WIN, WOUT, 0>(x, res, out, win, wout, n512); } \
+    extern "C" __global__ void __launch_bounds__(256, 3) \
+    NAME##_reg(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
+        streams<X, RES, OUT, WIN, WOUT, 1>(x, res, out, win, wout, n512); }
 
 // Copy shapes (--shapes): a warp's step RUNS consecutive KiB through a ring DEPTH steps deep
 // (cp.async), or (DEPTH 0) RUNS KiB loaded into registers (2 RUNS 16-byte loads a lane in flight).
@@ -144,7 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--grid", type=int, default=0,
-                   help="blocks of the phases' streams (default 3 a SM; fewer SMs give an H100 an H200's bytes a SM)")
+                   help="blocks of the phases' streams (default 3 a SM)")
+    p.add_argument("--reg", action="store_true", help="also each phase's streams with register loads (no ring)")
     p.add_argument("--shapes", action="store_true",
                    help="also a plain copy in other shapes and grids: ring depth, KiB a warp's step, blocks a SM")
     a = p.parse_args(argv)
@@ -168,18 +178,19 @@ def main(argv=None) -> int:
         x, res, out = (cp.ones(2 * elems, dtype=cp.uint8) for _ in range(3))
         win, wout = cp.ones(n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
         best: dict = {}
+        names = [p + s for s in ("", "_reg")[:1 + a.reg] for p in PHASES]
         for _ in range(a.reps):      # phases alternate within a rep
-            for phase in PHASES:
-                f = mod.get_function(phase)
+            for name in names:
+                f = mod.get_function(name)
                 args = (x, res, out, win, wout, np.int64(n512))
                 t = per_launch_us(lambda _s, f=f, args=args: f((grid,), (256,), args), a.iters, spin)
-                best[phase] = min(t, best.get(phase, t))
+                best[name] = min(t, best.get(name, t))
         print(f"\n## {elems} elements, us (best of {a.reps} medians of {a.iters}), TB/s, % of the copy rate\n")
         print("| phase | MB | us | TB/s | % |\n|---|---:|---:|---:|---:|")
-        for phase, t in best.items():
-            b = bytes_moved(phase, elems)
+        for name, t in best.items():
+            b = bytes_moved(name.removesuffix("_reg"), elems)
             tbs = b / t / 1e6
-            print(f"| {phase} | {b / 1e6:.0f} | {t:.1f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f} |")
+            print(f"| {name} | {b / 1e6:.0f} | {t:.1f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f} |")
         if a.shapes:
             shape_t: dict = {}
             for _ in range(a.reps):
