@@ -9,10 +9,11 @@ shared memory before its warp's barrier is a reported race):
   on the same data, byte for byte; and the three phases of the general two-shot and of its shifted
   twin on a ragged slice with misaligned buffers, and the whole kernel's and its any-count twin's,
   against the numpy reference (`NumpyKernels`), bit for bit;
-* fused_check.cpp: the default two-shot and one_shot_q kernels whole (work items, flags and
-  epochs, peers' slots, one_shot_q's push halves, several blocks, calls and ranks, the ranks out of
-  step), a process a block, against their schedules on `NumpyKernels`, outputs and residuals bit
-  for bit.
+* fused_check.cpp: the fused kernels whole, a process a block (work items, flags and epochs,
+  peers' slots, the push halves of a call's parity, several blocks, calls and ranks, the ranks out
+  of step): the default two-shot and one_shot_q kernels against their schedules on `NumpyKernels`,
+  outputs and residuals bit for bit; the 16-bit one-shots, tiled and low-latency, against the
+  float32 sum in rank order; each family's waits giving up on a peer that never comes.
 
 What a GPU run adds: the hardware's cp.async and memory model, timing (tools/gpu_suite.sh)."""
 from __future__ import annotations
@@ -33,7 +34,7 @@ from echonccl.feedback import Feedback
 from echonccl.fused import _one_shot_q_needs, _two_shot_slot
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
-from echonccl.peer_memory import fused_tiles, peer_table, region_layout
+from echonccl.peer_memory import LL_WORDS, ONE_SHOT_TILE, fused_tiles, one_shot_tiles, peer_table, region_layout
 
 from test_properties import simulate
 
@@ -81,11 +82,11 @@ def _build(headers: Path, name: str, sanitize: bool) -> Path:
     return _built[key]
 
 
-def _run(exe: Path, *args) -> str:
+def _run(exe: Path, *args, status: int = 0) -> str:
     env = dict(os.environ, TSAN_OPTIONS=f"suppressions={HOST / 'tsan.supp'}")
     run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-4000:]
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == status, run.stdout[-4000:] + run.stderr[-2000:]
     return run.stdout
 
 
@@ -134,35 +135,57 @@ def test_two_shot_phases_match_the_numpy_reference(headers, tmp_path, kernel, dt
 
 
 # The default fused kernels of 16-bit data (bf16 residuals; the two-shot's rounding=False), by the
-# choice `fused.FusedPaths.first_kernel` makes: fused_check.cpp's names.
+# choice `fused.FusedPaths.first_kernel` makes, and the 16-bit one-shots: fused_check.cpp's names.
 _TWO_SHOT = kt.Kernel("two_shot", "bf16", codec.DEFAULT_CODEC, "bf16", "f32", True)
 _ONE_SHOT_Q = kt.Kernel("one_shot_q", "bf16", Layout(1, 2, codec.DEFAULT_CODEC).codec, "bf16", whole=True)
 FUSED = {"whole": _TWO_SHOT, "any": replace(_TWO_SHOT, any_count=True),
          "general": replace(_TWO_SHOT, whole=False), "shift": replace(_TWO_SHOT, whole=False, shifted=True),
-         "q_whole": _ONE_SHOT_Q, "q": replace(_ONE_SHOT_Q, whole=False)}
-# a kernel's arguments from fused_check.cpp's Call, in its macro's order (cuda_src/fused.cuh)
-_ARGS = {"two_shot": "c.x, c.count, c.out, c.count, c.res_in, c.res_out, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0",
-         "one_shot_q": "c.x, c.count, c.out, c.count, c.res_in, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0"}
+         "q_whole": _ONE_SHOT_Q, "q": replace(_ONE_SHOT_Q, whole=False),
+         "one_shot": kt.Kernel("one_shot", "bf16"), "one_shot_ll": kt.Kernel("one_shot_ll", "bf16")}
+# a kernel's arguments from fused_check.cpp's Call, in its macro's order (cuda_src/fused.cuh, fused_one_shot.cuh)
+_ARGS = {"two_shot": "c.x, c.count, c.out, c.count, c.res_in, c.res_out, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0, "
+                     "c.table, c.ctl, c.timeout_ns",
+         "one_shot_q": "c.x, c.count, c.out, c.count, c.res_in, c.S, c.rank, c.P, c.tiles, c.max_tiles, 0, c.table, "
+                       "c.ctl, c.timeout_ns",
+         "one_shot": "c.x, c.out, c.count, c.rank, c.P, c.tiles, c.max_tiles, c.table, c.ctl, c.timeout_ns",
+         "one_shot_ll": "c.x, c.out, c.count, c.rank, c.P, c.tiles, c.table, c.block_epochs, c.ctl, c.timeout_ns"}
 
 
 @pytest.fixture(scope="module")
 def fused_exe(headers) -> Path:
     """fused_check.cpp built with the `FUSED` kernels' lines of `kernel_table.source` (kernels.h)."""
     lines = [ln for ln in kt.source(list(FUSED.values()), inline=False).splitlines()
-             if ln.startswith(("ECHO_TWO_SHOT_KERNEL(", "ECHO_ONE_SHOT_Q_KERNEL("))]
+             if ln.startswith(("ECHO_TWO_SHOT_KERNEL(", "ECHO_ONE_SHOT_Q_KERNEL(", "ECHO_ONE_SHOT_KERNEL(",
+                               "ECHO_ONE_SHOT_LL_KERNEL("))]
     assert len(lines) == len(FUSED)
-    runs = "".join(f"static void run_{kind}(const Call& c) {{ {k.name}({_ARGS[k.family]}, c.table, c.ctl, c.timeout_ns); }}\n"
+    runs = "".join(f"static void run_{kind}(const Call& c) {{ {k.name}({_ARGS[k.family]}); }}\n"
                    for kind, k in FUSED.items())
-    table = ", ".join(f'{{"{kind}", &run_{kind}}}' for kind in FUSED)
+    table = ", ".join(f'{{"{kind}", &run_{kind}, {str(k.family != "one_shot_ll").lower()}}}'
+                      for kind, k in FUSED.items())
     (headers / "kernels.h").write_text("\n".join(lines) + "\n" + runs + f"""using RunFn = void (*)(const Call&);
-struct KernelEntry {{ const char* name; RunFn fn; }};
+struct KernelEntry {{ const char* name; RunFn fn; bool ticketed; }};
 static const KernelEntry kKernels[] = {{{table}}};
 """)
     return _build(headers, "fused_check", sanitize=False)
 
 
+def _inputs(tmp_path, P: int, n: int, calls: int) -> list:
+    """Each call's bf16 inputs of every rank (fused_check.cpp's x_R_C.bin)."""
+    xs = [[(np.random.default_rng([c, r]).standard_normal(n) * 4).astype(ml_dtypes.bfloat16) for r in range(P)]
+          for c in range(calls)]
+    for c in range(calls):
+        for r in range(P):
+            xs[c][r].tofile(tmp_path / f"x_{r}_{c}.bin")
+    return xs
+
+
+def _tables(tmp_path, P: int, lay: dict, push: int) -> None:
+    for r in range(P):
+        peer_table(r, [s * lay["nbytes"] for s in range(P)], lay, push).tofile(tmp_path / f"table_{r}.bin")
+
+
 @pytest.mark.parametrize("P", [2, 3])
-@pytest.mark.parametrize("kind", list(FUSED))
+@pytest.mark.parametrize("kind", [k for k, v in FUSED.items() if v.family in ("two_shot", "one_shot_q")])
 def test_fused_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
     """Two calls of a fused kernel on P ranks of two blocks each (the last rank one block, late to
     each call), four tiles a slice: each rank's outputs of both calls and its residuals after them
@@ -183,15 +206,10 @@ def test_fused_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
     else:
         slot, max_tiles, push = _one_shot_q_needs(layout, tiles)
         lay = region_layout(P, slot, max_tiles, push)
-    for r in range(P):
-        peer_table(r, [s * lay["nbytes"] for s in range(P)], lay, push).tofile(tmp_path / f"table_{r}.bin")
+    _tables(tmp_path, P, lay, push)
+    xs = _inputs(tmp_path, P, n, calls)
+    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, blocks, 1, calls, offset, lay["nbytes"])
     bf16 = dtypes.numpy_dtype("bfloat16")
-    xs = [[(np.random.default_rng([c, r]).standard_normal(n) * 4).astype(bf16) for r in range(P)]
-          for c in range(calls)]
-    for c in range(calls):
-        for r in range(P):
-            xs[c][r].tofile(tmp_path / f"x_{r}_{c}.bin")
-    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, blocks, calls, offset, lay["nbytes"])
 
     G = codec.group_size(codec.DEFAULT_CODEC)
     states = [Feedback("input", rounding=False).bind((n, P, G, "bfloat16"), layout, bf16, np.zeros)
@@ -205,3 +223,62 @@ def test_fused_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
         assert (tmp_path / f"res_in_{r}.bin").read_bytes() == st.inputs.tobytes(), f"rank {r}: input residuals"
         if family == "two_shot":
             assert (tmp_path / f"res_out_{r}.bin").read_bytes() == st.output.tobytes(), f"rank {r}: output residuals"
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("kind,n,offset", [("one_shot", 4 * 8192, 0), ("one_shot", 3 * 8192 + 5, 1),
+                                           ("one_shot_ll", 1000, 0), ("one_shot_ll", 1001, 0)])
+def test_fused_one_shot_matches_the_float32_sum(fused_exe, tmp_path, kind, n, offset, P):
+    """Two calls of a 16-bit one-shot on P ranks: every rank's outputs are the float32 sum of the
+    ranks' inputs in rank order, rounded once. The tiled one (`FusedPaths.one_shot` above
+    `LL_MAX_BYTES` or off 4-byte alignment: 8192 elements a tile, whole and ragged, the second off
+    16-byte alignment) with two blocks a rank, the last rank one and late; the low-latency one
+    (every 4 bytes a line with its epoch; an odd count's last line half a word) with the grid its
+    lines need on every rank, the last rank late."""
+    calls = 2
+    T = one_shot_tiles(max(8, -(-n // 8) * 8))
+    push = (P - 1) * (-(-(n * 2) // 256) * 256)
+    lay = region_layout(P, 0, T, push)
+    _tables(tmp_path, P, lay, push)
+    xs = _inputs(tmp_path, P, n, calls)
+    if kind == "one_shot":
+        assert T > 1
+        tiles, blocks, last = ONE_SHOT_TILE, 2, 1
+    else:
+        tiles, blocks = LL_WORDS, -(-(-(-n * 2 // 4)) // kt.BLOCK)
+        last = blocks
+        assert blocks > 1
+    _run(fused_exe, tmp_path, kind, P, n, 0, tiles, T, blocks, last, calls, offset, lay["nbytes"])
+    for c in range(calls):
+        acc = np.full(n, -0.0, np.float32)
+        for r in range(P):
+            acc = acc + xs[c][r].astype(np.float32)
+        want = acc.astype(ml_dtypes.bfloat16).view(np.uint16)
+        for r in range(P):
+            got = np.fromfile(tmp_path / f"out_{r}_{c}.bin", np.uint16)
+            assert np.array_equal(got, want), f"rank {r}, call {c}"
+
+
+@pytest.mark.parametrize("kind", ["whole", "q_whole", "one_shot", "one_shot_ll"])
+def test_a_fused_kernel_gives_up_on_a_peer_that_never_comes(fused_exe, tmp_path, kind):
+    """Two ranks, the second making no call: the first's kernels stop waiting after their timeout
+    (0.3 s in fused_check.cpp) and set `Ctl.error` (which the host turns into PeerTimeoutError),
+    in both calls, instead of spinning on."""
+    P, calls = 2, 2
+    if kind in ("one_shot", "one_shot_ll"):
+        n = 4 * 8192 if kind == "one_shot" else 1000
+        S, T, push = 0, one_shot_tiles(n), (P - 1) * (-(-(n * 2) // 256) * 256)
+        lay, tiles, max_tiles = region_layout(P, 0, T, push), ONE_SHOT_TILE if kind == "one_shot" else LL_WORDS, T
+    else:
+        n, S, T = P * 8 * kt.BLOCK * 8, 8 * kt.BLOCK * 8, 4
+        layout = Layout(n, P, codec.DEFAULT_CODEC)
+        if kind == "whole":
+            lay, push, tiles, max_tiles = region_layout(P, _two_shot_slot(layout), T), 0, T, T
+        else:
+            slot, max_tiles, push = _one_shot_q_needs(layout, T)
+            lay, tiles = region_layout(P, slot, max_tiles, push), T
+    _tables(tmp_path, P, lay, push)
+    _inputs(tmp_path, P, n, calls)
+    out = _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 0, calls, 0, lay["nbytes"], status=1)
+    assert "rank 0: a wait timed out" in out, out
+    assert "rank 1: a wait timed out" not in out, out

@@ -1,16 +1,18 @@
-// The fused two-shot and one_shot_q kernels whole on the host: P ranks, each a process making its
+// The fused kernels whole on the host (the two-shot, one_shot_q and the 16-bit one-shots): P ranks, each a process making its
 // calls one after another, each call's blocks a process each with its ECHO_BLOCK threads at once
 // (run_block_at_once), the ranks' regions, peer tables and buffers in memory that every process
 // shares (MAP_SHARED, mapped before the first fork). What the phase checks (loops_check.cpp) leave
 // out: the work items and their order, flags and epochs, each peer's slots, the ticket and epoch at
 // a call's end, several blocks and calls, ranks out of step (the last rank starts each call late,
-// with one block where the others have BLOCKS).
+// with LAST_BLOCKS blocks where the others have BLOCKS), and a peer that never comes (LAST_BLOCKS
+// 0: the last rank makes no call, and the others' waits give up after kAbsentTimeoutNs).
 //
-//   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS CALLS OFFSET REGION_BYTES
+//   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET REGION_BYTES
 //
 // DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
 // ECHO_TWO_SHOT_KERNEL and ECHO_ONE_SHOT_Q_KERNEL lines, and kKernels: a name and a function that
-// launches that kernel's block with a Call's arguments (below); KERNEL one of its names. MAX_TILES:
+// launches that kernel's block with a Call's arguments (below); KERNEL one of its names. TILES: a
+// slice's tiles (the tiled one-shot: threads a tile; the low-latency one: lines a slot); MAX_TILES:
 // the flags a slot of the region holds (TILES for a two-shot, P * TILES for one_shot_q). DIR/table_R.bin: rank R's
 // PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
 // memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
@@ -37,6 +39,7 @@ struct Call {
     echo::bf16 *res_in, *res_out;
     echo::i64 S, rank, P, tiles, max_tiles;
     const echo::PeerTable* table;
+    unsigned int* block_epochs;   // the low-latency one-shot's, a rank's
     echo::Ctl* ctl;
     echo::i64 timeout_ns;
 };
@@ -48,6 +51,7 @@ using echo::i64;
 
 constexpr int kTableWords = 7 * echo::kMaxRanks + 1;   // peer_memory.peer_table's words
 constexpr i64 kTimeoutNs = 60'000'000'000;   // a correct run takes seconds (P = 3: 1280 threads on 2 cores)
+constexpr i64 kAbsentTimeoutNs = 300'000'000;
 
 static std::string g_dir;
 static std::string path(const std::string& name) { return g_dir + "/" + name; }
@@ -72,24 +76,28 @@ static bool wait_all(const std::vector<pid_t>& pids) {
 }
 
 int main(int argc, char** argv) {
-    if (argc != 12) {
-        std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS CALLS OFFSET REGION_BYTES\n");
+    if (argc != 13) {
+        std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET "
+                             "REGION_BYTES\n");
         return 2;
     }
     g_dir = argv[1];
     const std::string kernel = argv[2];
-    const int P = std::atoi(argv[3]), blocks = std::atoi(argv[8]), calls = std::atoi(argv[9]);
+    const int P = std::atoi(argv[3]), blocks = std::atoi(argv[8]), last_blocks = std::atoi(argv[9]),
+              calls = std::atoi(argv[10]);
     const i64 count = std::atoll(argv[4]), S = std::atoll(argv[5]), tiles = std::atoll(argv[6]),
-              max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[10]), region_bytes = std::atoll(argv[11]);
+              max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[11]), region_bytes = std::atoll(argv[12]);
     RunFn fn = nullptr;
+    bool ticketed = true;   // false: the low-latency one-shot (its blocks' own epochs, no ticket)
     for (const auto& k : kKernels)
-        if (kernel == k.name) fn = k.fn;
+        if (kernel == k.name) fn = k.fn, ticketed = k.ticketed;
     if (!fn || P < 2 || P > echo::kMaxRanks) return 2;
 
     // Shared memory: the regions, then each rank's table, residuals, and per call its input and output.
     auto round_up = [](i64 n) { return (n + 255) / 256 * 256; };
     const i64 vec = round_up((count + offset) * 2), res_in = round_up(P * S * 2), res_out = round_up(S * 2);
-    const i64 per_rank = round_up(kTableWords * 8) + res_in + res_out + 2 * calls * vec;
+    const i64 epochs = round_up(1024 * 4);   // peer_memory.LL_BLOCKS
+    const i64 per_rank = round_up(kTableWords * 8) + epochs + res_in + res_out + 2 * calls * vec;
     const i64 bytes = P * region_bytes + P * per_rank;
     auto* base = static_cast<unsigned char*>(
         mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
@@ -97,6 +105,7 @@ int main(int argc, char** argv) {
     struct Rank {
         echo::Ctl* ctl;
         echo::PeerTable* table;
+        unsigned int* block_epochs;
         bf16 *res_in, *res_out;
         std::vector<bf16*> x, out;
     };
@@ -111,6 +120,7 @@ int main(int argc, char** argv) {
             if (words[i]) words[i] += reinterpret_cast<unsigned long long>(base);
         k.table = reinterpret_cast<echo::PeerTable*>(p);
         p += round_up(kTableWords * 8);
+        k.block_epochs = reinterpret_cast<unsigned int*>(p), p += epochs;
         k.res_in = reinterpret_cast<bf16*>(p), p += res_in;
         k.res_out = reinterpret_cast<bf16*>(p), p += res_out;
         for (int c = 0; c < calls; ++c) {
@@ -130,7 +140,7 @@ int main(int argc, char** argv) {
         const Rank& k = ranks[r];
         for (int c = 0; c < calls; ++c) {
             if (r == P - 1) usleep(200000);
-            const int grid = r == P - 1 ? 1 : blocks;
+            const int grid = r == P - 1 ? last_blocks : blocks;
             std::vector<pid_t> block_pids;
             for (int b = 0; b < grid; ++b) {
                 const pid_t q = fork();
@@ -139,8 +149,8 @@ int main(int argc, char** argv) {
                 blockIdx.x = (unsigned)b;
                 gridDim.x = (unsigned)grid;
                 run_block_at_once([&] {
-                    fn(Call{k.x[c], count, k.out[c], k.res_in, k.res_out, S, r, P, tiles, max_tiles, k.table, k.ctl,
-                            kTimeoutNs});
+                    fn(Call{k.x[c], count, k.out[c], k.res_in, k.res_out, S, r, P, tiles, max_tiles, k.table,
+                            k.block_epochs, k.ctl, last_blocks ? kTimeoutNs : kAbsentTimeoutNs});
                 });
                 _exit(0);
             }
@@ -154,9 +164,12 @@ int main(int argc, char** argv) {
     for (int r = 0; r < P; ++r) {
         const Rank& k = ranks[r];
         if (k.ctl->error) std::printf("rank %d: a wait timed out\n", r), ++failed;
-        if (k.ctl->ticket || k.ctl->done || k.ctl->epoch != (unsigned)calls)
+        if (ticketed && (k.ctl->ticket || k.ctl->done || k.ctl->epoch != (unsigned)calls))
             std::printf("rank %d: ctl after %d calls: epoch %u ticket %u done %u\n", r, calls, k.ctl->epoch,
                         k.ctl->ticket, k.ctl->done), ++failed;
+        for (int b = 0; !ticketed && b < blocks; ++b)
+            if (k.block_epochs[b] != (unsigned)calls)
+                std::printf("rank %d: block %d's epoch %u after %d calls\n", r, b, k.block_epochs[b], calls), ++failed;
         for (int c = 0; c < calls; ++c)
             write_file("out_" + std::to_string(r) + "_" + std::to_string(c) + ".bin", k.out[c], count * 2);
         write_file("res_in_" + std::to_string(r) + ".bin", k.res_in, P * S * 2);

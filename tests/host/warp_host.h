@@ -222,6 +222,16 @@ inline void ptx(const char* tmpl, std::initializer_list<Op> list) {
     }
     if (is("st.release.sys.global.u32 [%0], %1;"))
         return __atomic_store_n(reinterpret_cast<unsigned*>((uintptr_t)o[0].bits), u32(o[1]), __ATOMIC_RELEASE);
+    // the low-latency one-shot's 8-byte lines {data, epoch}: one store, one load (single-copy atomic)
+    if (is("st.volatile.global.v2.u32 [%0], {%1, %2};"))
+        return __atomic_store_n(reinterpret_cast<u64*>((uintptr_t)o[0].bits), (u64)u32(o[2]) << 32 | u32(o[1]),
+                                __ATOMIC_RELAXED);
+    if (is("ld.volatile.global.v2.u32 {%0, %1}, [%2];")) {   // a line's spin
+        std::this_thread::yield();
+        const u64 v = __atomic_load_n(reinterpret_cast<const u64*>((uintptr_t)o[2].bits), __ATOMIC_RELAXED);
+        set(o[0], (unsigned)v);
+        return set(o[1], (unsigned)(v >> 32));
+    }
     if (is("mov.u64 %0, %%globaltimer;"))
         return set(o[0], (u64)std::chrono::steady_clock::now().time_since_epoch().count());
     std::fprintf(stderr, "warp_host.h: no host version of the PTX \"%s\"\n", tmpl);
