@@ -179,9 +179,25 @@ def _inputs(tmp_path, P: int, n: int, calls: int) -> list:
     return xs
 
 
-def _tables(tmp_path, P: int, lay: dict, push: int) -> None:
+def _region(tmp_path, kind: str, P: int, n: int) -> tuple:
+    """Every rank's peer table (fused_check.cpp's table_R.bin) for a call of FUSED[kind] on n
+    elements, its region sized as `FusedPaths` sizes it; (S, TILES, MAX_TILES, REGION_BYTES)."""
+    family = FUSED[kind].family
+    if family in ("one_shot", "one_shot_ll"):
+        S, T, push = 0, one_shot_tiles(max(8, -(-n // 8) * 8)), (P - 1) * (-(-(n * 2) // 256) * 256)
+        lay, tiles, max_tiles = region_layout(P, 0, T, push), ONE_SHOT_TILE if family == "one_shot" else LL_WORDS, T
+    else:
+        layout = Layout(n, P, codec.DEFAULT_CODEC)
+        S = layout.slice_elems
+        tiles = fused_tiles(S)
+        if family == "two_shot":
+            lay, push, max_tiles = region_layout(P, _two_shot_slot(layout), tiles), 0, tiles
+        else:
+            slot, max_tiles, push = _one_shot_q_needs(layout, tiles)
+            lay = region_layout(P, slot, max_tiles, push)
     for r in range(P):
         peer_table(r, [s * lay["nbytes"] for s in range(P)], lay, push).tofile(tmp_path / f"table_{r}.bin")
+    return S, tiles, max_tiles, lay["nbytes"]
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -193,24 +209,15 @@ def test_fused_kernel_matches_the_schedule(fused_exe, tmp_path, kind, P):
     bit for bit. whole, q_whole: a count of whole slices, aligned; any: a ragged last slice,
     aligned; general, shift, q: a ragged last slice with the input and output one element off
     16-byte alignment."""
-    S, calls, blocks = 8 * kt.BLOCK * 8, 2, 2       # 8 chunks of 2048 elements: 4 tiles of two
-    n = P * S - (0 if kind in ("whole", "q_whole") else 300)
+    calls, n = 2, P * 8 * kt.BLOCK * 8 - (0 if kind in ("whole", "q_whole") else 300)   # slices of 8 chunks
     offset = 1 if kind in ("general", "shift", "q") else 0
     family = FUSED[kind].family
-    layout = Layout(n, P, codec.DEFAULT_CODEC)
-    assert layout.slice_elems == S
-    tiles = fused_tiles(S)
-    assert tiles == 4
-    if family == "two_shot":
-        lay, push, max_tiles = region_layout(P, _two_shot_slot(layout), tiles), 0, tiles
-    else:
-        slot, max_tiles, push = _one_shot_q_needs(layout, tiles)
-        lay = region_layout(P, slot, max_tiles, push)
-    _tables(tmp_path, P, lay, push)
+    S, tiles, max_tiles, region_bytes = _region(tmp_path, kind, P, n)
+    assert tiles == 4                                                   # tiles of two chunks
     xs = _inputs(tmp_path, P, n, calls)
-    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, blocks, 1, calls, offset, lay["nbytes"])
-    bf16 = dtypes.numpy_dtype("bfloat16")
+    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 1, calls, offset, region_bytes)
 
+    layout, bf16 = Layout(n, P, codec.DEFAULT_CODEC), dtypes.numpy_dtype("bfloat16")
     G = codec.group_size(codec.DEFAULT_CODEC)
     states = [Feedback("input", rounding=False).bind((n, P, G, "bfloat16"), layout, bf16, np.zeros)
               for _ in range(P)]
@@ -236,19 +243,15 @@ def test_fused_one_shot_matches_the_float32_sum(fused_exe, tmp_path, kind, n, of
     (every 4 bytes a line with its epoch; an odd count's last line half a word) with the grid its
     lines need on every rank, the last rank late."""
     calls = 2
-    T = one_shot_tiles(max(8, -(-n // 8) * 8))
-    push = (P - 1) * (-(-(n * 2) // 256) * 256)
-    lay = region_layout(P, 0, T, push)
-    _tables(tmp_path, P, lay, push)
+    S, tiles, max_tiles, region_bytes = _region(tmp_path, kind, P, n)
     xs = _inputs(tmp_path, P, n, calls)
     if kind == "one_shot":
-        assert T > 1
-        tiles, blocks, last = ONE_SHOT_TILE, 2, 1
+        assert max_tiles > 1
+        blocks, last = 2, 1
     else:
-        tiles, blocks = LL_WORDS, -(-(-(-n * 2 // 4)) // kt.BLOCK)
-        last = blocks
+        blocks = last = -(-(-(-n * 2 // 4)) // kt.BLOCK)       # a thread a 4-byte line
         assert blocks > 1
-    _run(fused_exe, tmp_path, kind, P, n, 0, tiles, T, blocks, last, calls, offset, lay["nbytes"])
+    _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, blocks, last, calls, offset, region_bytes)
     for c in range(calls):
         acc = np.full(n, -0.0, np.float32)
         for r in range(P):
@@ -265,20 +268,9 @@ def test_a_fused_kernel_gives_up_on_a_peer_that_never_comes(fused_exe, tmp_path,
     (0.3 s in fused_check.cpp) and set `Ctl.error` (which the host turns into PeerTimeoutError),
     in both calls, instead of spinning on."""
     P, calls = 2, 2
-    if kind in ("one_shot", "one_shot_ll"):
-        n = 4 * 8192 if kind == "one_shot" else 1000
-        S, T, push = 0, one_shot_tiles(n), (P - 1) * (-(-(n * 2) // 256) * 256)
-        lay, tiles, max_tiles = region_layout(P, 0, T, push), ONE_SHOT_TILE if kind == "one_shot" else LL_WORDS, T
-    else:
-        n, S, T = P * 8 * kt.BLOCK * 8, 8 * kt.BLOCK * 8, 4
-        layout = Layout(n, P, codec.DEFAULT_CODEC)
-        if kind == "whole":
-            lay, push, tiles, max_tiles = region_layout(P, _two_shot_slot(layout), T), 0, T, T
-        else:
-            slot, max_tiles, push = _one_shot_q_needs(layout, T)
-            lay, tiles = region_layout(P, slot, max_tiles, push), T
-    _tables(tmp_path, P, lay, push)
+    n = {"one_shot": 4 * 8192, "one_shot_ll": 1000}.get(kind, P * 8 * kt.BLOCK * 8)
+    S, tiles, max_tiles, region_bytes = _region(tmp_path, kind, P, n)
     _inputs(tmp_path, P, n, calls)
-    out = _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 0, calls, 0, lay["nbytes"], status=1)
+    out = _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 0, calls, 0, region_bytes, status=1)
     assert "rank 0: a wait timed out" in out, out
     assert "rank 1: a wait timed out" not in out, out
