@@ -15,8 +15,9 @@ data and residuals (docs/notes/fused.md, "The byte floor"):
 
 Every read comes through shared memory by ``cp.async`` a step ahead (input and residual as in the
 fused loops' ``g_ring``, the wire as the decode's copies), and (``--reg``) again into registers at
-its step; every store is 16 bytes a lane, 512 contiguous bytes an instruction. What a phase of the fused kernel takes beyond
-its stream's time here is its instructions and its synchronization, not HBM.
+its step; every store is 16 bytes a lane, 512 contiguous bytes an instruction. What a phase of
+the fused kernel takes beyond its stream's time here is its instructions and its synchronization,
+not HBM.
 
     python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--shapes]
 
@@ -59,8 +60,14 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
     long long r = (long long)blockIdx.x * (blockDim.x >> 5) + wp;
     auto issue = [&](long long v, int k) {
         if (v < n512) {
-            if (X) { cp16(&ring[k][wp][lane], x + 64 * v + lane); cp16(&ring[k][wp][lane + 32], x + 64 * v + lane + 32); }
-            if (RES) { cp16(&ring[k][wp][64 + lane], res + 64 * v + lane); cp16(&ring[k][wp][96 + lane], res + 64 * v + lane + 32); }
+            if (X) {
+                cp16(&ring[k][wp][lane], x + 64 * v + lane);
+                cp16(&ring[k][wp][lane + 32], x + 64 * v + lane + 32);
+            }
+            if (RES) {
+                cp16(&ring[k][wp][64 + lane], res + 64 * v + lane);
+                cp16(&ring[k][wp][96 + lane], res + 64 * v + lane + 32);
+            }
             if (WIN && lane < WIN / 16) cp16(&ring[k][wp][128 + lane], win + (WIN / 16) * v + lane);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");

@@ -1,25 +1,25 @@
-// The fused kernels whole on the host (the two-shot, one_shot_q and the 16-bit one-shots): P ranks, each a process making its
-// calls one after another, each call's blocks a process each with its ECHO_BLOCK threads at once
-// (run_block_at_once), the ranks' regions, peer tables and buffers in memory that every process
-// shares (MAP_SHARED, mapped before the first fork). What the phase checks (loops_check.cpp) leave
-// out: the work items and their order, flags and epochs, each peer's slots, the ticket and epoch at
-// a call's end, several blocks and calls, ranks out of step (the last rank starts each call late,
-// with LAST_BLOCKS blocks where the others have BLOCKS), and a peer that never comes (LAST_BLOCKS
-// 0: the last rank makes no call, and the others' waits give up after kAbsentTimeoutNs).
+// The fused kernels whole on the host (the two-shot, one_shot_q and the 16-bit one-shots): P
+// ranks, each a process making its calls one after another, each call's blocks a process each with
+// its ECHO_BLOCK threads at once (run_block_at_once), the ranks' regions, peer tables and buffers in
+// memory that every process shares (MAP_SHARED, mapped before the first fork). What the phase checks
+// (loops_check.cpp) leave out: the work items and their order, flags and epochs, each peer's slots,
+// the ticket and epoch at a call's end, several blocks and calls, ranks out of step (the last rank
+// starts each call late, with LAST_BLOCKS blocks where the others have BLOCKS), and a peer that
+// never comes (LAST_BLOCKS 0: the last rank makes no call, and the others' waits give up after
+// kAbsentTimeoutNs).
 //
 //   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET REGION_BYTES
 //
 // DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
-// ECHO_TWO_SHOT_KERNEL and ECHO_ONE_SHOT_Q_KERNEL lines, and kKernels: a name and a function that
-// launches that kernel's block with a Call's arguments (below); KERNEL one of its names. TILES: a
-// slice's tiles (the tiled one-shot: threads a tile; the low-latency one: lines a slot); MAX_TILES:
-// the flags a slot of the region holds (TILES for a two-shot, P * TILES for one_shot_q). DIR/table_R.bin: rank R's
+// ECHO_*_KERNEL lines, and kKernels: a name, a function that runs that kernel's block with a Call's
+// arguments (below), and whether the kernel takes tickets (not the low-latency one-shot); KERNEL
+// one of its names. TILES: a slice's tiles (the tiled one-shot: threads a tile; the low-latency
+// one: lines a slot); MAX_TILES: the flags a slot of the region holds. DIR/table_R.bin: rank R's
 // PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
 // memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
 // put OFFSET elements past a 256-byte boundary, as is its output. Writes DIR/out_R_C.bin,
-// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call; one_shot_q has no
-// output residual); prints "ok", or what
-// failed (exit status 1). Built and run by tests/test_cuda_host.py.
+// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call, where the kernel has
+// them); prints "ok", or what failed (exit status 1). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <sys/mman.h>
