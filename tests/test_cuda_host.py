@@ -34,7 +34,7 @@ from echonccl.feedback import Feedback
 from echonccl.fused import _one_shot_q_needs, _two_shot_slot
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
-from echonccl.peer_memory import LL_WORDS, ONE_SHOT_TILE, fused_tiles, one_shot_tiles, peer_table, region_layout
+from echonccl.peer_memory import LL_BLOCKS, LL_WORDS, ONE_SHOT_TILE, fused_tiles, one_shot_tiles, peer_table, region_layout
 
 from test_properties import simulate
 
@@ -164,6 +164,7 @@ def fused_exe(headers) -> Path:
                       for kind, k in FUSED.items())
     (headers / "kernels.h").write_text("\n".join(lines) + "\n" + runs + f"""using RunFn = void (*)(const Call&);
 struct KernelEntry {{ const char* name; RunFn fn; bool ticketed; }};
+constexpr int kLlBlocks = {LL_BLOCKS};
 static const KernelEntry kKernels[] = {{{table}}};
 """)
     return _build(headers, "fused_check", sanitize=False)

@@ -31,13 +31,16 @@ import numpy as np
 
 LAYOUTS, LOADS, STORES = ("planes", "wide"), ("reg", "async"), ("direct", "staged", "bulk")
 
-SOURCE = r"""
+# 16 bytes from global memory to shared memory in flight (cp.async; the caller commits): the
+# tools' stream kernels' copy (stream_mix.py too)
+CP16 = r"""
 typedef unsigned int u32;
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
     const u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp4(void* dst, const void* src) {
+"""
+SOURCE = CP16 + r"""__device__ __forceinline__ void cp4(void* dst, const void* src) {
     const u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 }

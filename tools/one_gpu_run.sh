@@ -28,13 +28,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 PY=${PY:-python3}
 export PYTHONPATH="$root:$root/tools${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-if [[ -f echonccl/prebuilt/manifest.json ]]; then
-  "$PY" -c 'import json; from echonccl import kernel_table as kt
-n = len(json.load(open("echonccl/prebuilt/manifest.json"))["kernels"])
-print(f"one_gpu_run: {n} of the table'"'"'s {len(kt.ALL)} kernels prebuilt; the rest compile on first use")'
-else
-  echo "one_gpu_run: no echonccl/prebuilt: kernels compile on first use"
-fi
+"$PY" -c 'from echonccl import kernel_loader as kl, kernel_table as kt
+print(f"one_gpu_run: {len(kl.LOADER.prebuilt_names())} of the {len(kt.ALL)} kernels prebuilt; the rest compile on first use")'
 SOLO=("$PY" tools/fused_solo.py --iters 20 --reps 2)
 ODD=(--sizes 16M 16777214 256M 268435454 1G 1073741822)
 BASE=(${BASELINE:+--baseline "$BASELINE"})

@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from hbm_mix import _count
+from hbm_mix import CP16, _count
 
 # phase -> (input, residual, output written, incoming wire bytes / 512 elements, wire written / 512)
 PHASES = {
@@ -40,13 +40,7 @@ PHASES = {
     "decode": (0, 0, 1, 512, 0),
 }
 
-SOURCE = r"""
-typedef unsigned int u32;
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-    const u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
+SOURCE = CP16 + r"""__device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
 
 // n512: runs of 512 elements (1 KiB of 16-bit data). A warp's step is one run: lane l moves the
 // run's 16-byte chunks l and l + 32 of each 16-bit stream, and chunk l of a wire run (WIN, WOUT

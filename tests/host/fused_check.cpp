@@ -13,7 +13,7 @@
 // DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
 // ECHO_*_KERNEL lines, and kKernels: a name, a function that runs that kernel's block with a Call's
 // arguments (below), and whether the kernel takes tickets (not the low-latency one-shot); KERNEL
-// one of its names. TILES: a slice's tiles (the tiled one-shot: threads a tile; the low-latency
+// one of its names; kLlBlocks, the low-latency one-shot's most blocks (peer_memory.LL_BLOCKS). TILES: a slice's tiles (the tiled one-shot: threads a tile; the low-latency
 // one: lines a slot); MAX_TILES: the flags a slot of the region holds. DIR/table_R.bin: rank R's
 // PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
 // memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     // Shared memory: the regions, then each rank's table, residuals, and per call its input and output.
     auto round_up = [](i64 n) { return (n + 255) / 256 * 256; };
     const i64 vec = round_up((count + offset) * 2), res_in = round_up(P * S * 2), res_out = round_up(S * 2);
-    const i64 epochs = round_up(1024 * 4);   // peer_memory.LL_BLOCKS
+    const i64 epochs = round_up(kLlBlocks * 4);
     const i64 per_rank = round_up(kTableWords * 8) + epochs + res_in + res_out + 2 * calls * vec;
     const i64 bytes = P * region_bytes + P * per_rank;
     auto* base = static_cast<unsigned char*>(
