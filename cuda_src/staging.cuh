@@ -214,8 +214,8 @@ __device__ __forceinline__ void unit16_store_n(uint4* r, void* p, const uint4& a
 // element's address is): the aligned words holding it are words 0 .. 64 from p - off (0 .. 63
 // where off is 0), and no byte past them is read or written. Loads copy those words, lanes
 // reading theirs at the shift (bytes_at); stores stage the lanes' units, then write the run's
-// aligned words: whole ones with one 16-byte store, the first and last (which hold neighbouring
-// runs' bytes) a 2-byte store an element of the run. off 0 is the aligned helpers' layout.
+// aligned words: whole ones with one 16-byte store, the run's elements in the first and last (which
+// hold neighbouring runs' bytes) with 2-byte stores. off 0 is the aligned helpers' layout.
 
 // A buffer's shift: its bytes off 16-byte alignment (every run of a slice shares it: a slice is
 // whole 512-element blocks).
@@ -239,15 +239,10 @@ __device__ __forceinline__ void unit16_read_at(const uint4* r, const uint4* edge
     a = bytes_at(r[stage_slot<2>(2 * lane)], c1, off);
     b = bytes_at(c1, lane == 31 ? *edge : r[stage_slot<2>(2 * lane + 2)], off);
 }
-// Halves i0 .. i1 - 1 of w stored to the aligned word q, no other byte of it written.
-__device__ __forceinline__ void store_halves(uint4* q, const uint4& w, int i0, int i1) {
-    u16* h = reinterpret_cast<u16*>(q);
-    const u32 v[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        if (i >= i0 && i < i1) h[i] = (u16)((i & 1) ? v[i >> 1] >> 16 : v[i >> 1] & 0xffffu);
-}
-// The lanes' units (a, b) stored to the run at p, off by `off`, through r (unit16_stage).
+// The lanes' units (a, b) stored to the run at p, off by `off`, through r (unit16_stage): the
+// run's whole words 1 .. 63 one 16-byte store a lane each, then its bytes in words 0 and 64 (which
+// hold neighbouring runs' bytes) in one 2-byte store: lane h < 8 half h of word 0, lane 8 + h half h
+// of word 64, where the run holds it.
 __device__ __forceinline__ void unit16_store_at(uint4* r, void* p, int off, const uint4& a, const uint4& b) {
     const int lane = threadIdx.x & 31;
     unit16_stage(r, a, b);
@@ -257,15 +252,15 @@ __device__ __forceinline__ void unit16_store_at(uint4* r, void* p, int off, cons
         q[lane + 32] = r[stage_slot<2>(lane + 32)];
         return;
     }
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {   // word m: the staged bytes from 16 m - off, in chunks m - 1 and m
         const int m = lane + 32 * k;
-        const uint4 w = bytes_at(m > 0 ? r[stage_slot<2>(m - 1)] : zero, r[stage_slot<2>(m)], 16 - off);
-        if (m > 0) q[m] = w;
-        else store_halves(q, w, off >> 1, 8);
+        if (m > 0) q[m] = bytes_at(r[stage_slot<2>(m - 1)], r[stage_slot<2>(m)], 16 - off);
     }
-    if (lane == 31) store_halves(q + 64, bytes_at(r[stage_slot<2>(63)], zero, 16 - off), 0, off >> 1);
+    const int h = lane & 7, lead = off >> 1;   // lead: the elements of word 0 before the run
+    const int e = lane < 8 ? h - lead : 512 - lead + h;
+    if (lane < 16 && (lane < 8 ? e >= 0 : h < lead))
+        reinterpret_cast<u16*>(q + (lane < 8 ? 0 : 64))[h] = reinterpret_cast<const u16*>(r + stage_slot<2>(e >> 3))[e & 7];
 }
 
 }  // namespace echo
