@@ -190,7 +190,8 @@ class FusedPaths:
 
     def prepare_one_shot(self, x, out):
         """``(run, valid)`` of the one-shot of these buffers (as `prepare_two_shot`)."""
-        _, T, region = self._one_shot_region(x.size, x.itemsize)
+        _, T, push = _one_shot_needs(x.size, x.itemsize, self.size)
+        region = self._region(0, T, push)
         return self._one_shot_run(x, out, T, region), self._current(region)
 
     def _one_shot_run(self, x, out, T, region):
@@ -205,12 +206,8 @@ class FusedPaths:
                         region.table.data.ptr, region.ctl, self.timeout_ns])
 
     def one_shot_fits(self, x) -> bool:
-        return self._one_shot_region(x.size, x.itemsize)[2] is not None
-
-    def _one_shot_region(self, n: int, itemsize: int):
-        n8 = max(8, -(-n // 8) * 8)
-        T = one_shot_tiles(n8)
-        return n8, T, self._region(0, T, (self.size - 1) * (-(-(n * itemsize) // 256) * 256))
+        """True when a one-shot of ``x`` fits a region (growing it collectively if needed)."""
+        return self._region(*_one_shot_needs(x.size, x.itemsize, self.size)) is not None
 
     # -- lifecycle --------------------------------------------------------------------------
     def failed(self) -> bool:
@@ -258,3 +255,9 @@ def _one_shot_q_needs(layout, tiles: int):
     ``tiles`` tiles a slice: P tiles per flag slot per slice, P parts of P slices a push parity."""
     P, B = layout.nranks, layout.slice_bytes
     return 0, P * tiles, P * P * B
+
+
+def _one_shot_needs(n: int, itemsize: int, P: int):
+    """(slice bytes, tiles, push bytes) of a region serving the 16-bit one-shot of ``n`` elements of
+    ``itemsize`` bytes on P ranks: a flag a tile, P - 1 peers' inputs (256-byte aligned) a push parity."""
+    return 0, one_shot_tiles(max(8, -(-n // 8) * 8)), (P - 1) * (-(-(n * itemsize) // 256) * 256)

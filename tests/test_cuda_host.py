@@ -31,10 +31,10 @@ import pytest
 
 from echonccl import codec, dtypes, kernel_table as kt
 from echonccl.feedback import Feedback
-from echonccl.fused import _one_shot_q_needs, _two_shot_slot
+from echonccl.fused import _one_shot_needs, _one_shot_q_needs, _two_shot_slot
 from echonccl.kernels_numpy import NumpyKernels
 from echonccl.layout import Layout
-from echonccl.peer_memory import LL_BLOCKS, LL_WORDS, ONE_SHOT_TILE, fused_tiles, one_shot_tiles, peer_table, region_layout
+from echonccl.peer_memory import LL_BLOCKS, LL_WORDS, ONE_SHOT_TILE, fused_tiles, peer_table, region_layout
 
 from test_properties import simulate
 
@@ -185,7 +185,7 @@ def _region(tmp_path, kind: str, P: int, n: int) -> tuple:
     elements, its region sized as `FusedPaths` sizes it; (S, TILES, MAX_TILES, REGION_BYTES)."""
     family = FUSED[kind].family
     if family in ("one_shot", "one_shot_ll"):
-        S, T, push = 0, one_shot_tiles(max(8, -(-n // 8) * 8)), (P - 1) * (-(-(n * 2) // 256) * 256)
+        S, T, push = _one_shot_needs(n, 2, P)
         lay, tiles, max_tiles = region_layout(P, 0, T, push), ONE_SHOT_TILE if family == "one_shot" else LL_WORDS, T
     else:
         layout = Layout(n, P, codec.DEFAULT_CODEC)
