@@ -14,12 +14,14 @@ data and residuals (docs/notes/fused.md, "The byte floor"):
 * ``copy``: read 2, write 2 (the kernels' own copy, beside the runtime's).
 
 Every read comes through shared memory by ``cp.async`` a step ahead (input and residual as in the
-fused loops' ``g_ring``, the wire as the decode's copies), and (``--reg``) again into registers at
-its step; every store is 16 bytes a lane, 512 contiguous bytes an instruction. What a phase of
+fused loops' ``g_ring``, the wire as the decode's copies), again (``--reg``) into registers at its
+step, and again (``--bulk``) by bulk copies (``cp.async.bulk``, sm_90: one lane of a warp issues
+the step's runs, completing on the warp's ``mbarrier``); every store is 16 bytes a lane, 512
+contiguous bytes an instruction. What a phase of
 the fused kernel takes beyond its stream's time here is its instructions and its synchronization,
 not HBM.
 
-    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--shapes]
+    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--shapes]
 
 2^28 elements: a phase of a 1 GiB all-reduce at P = 2 (each rank's slice).
 """
@@ -40,19 +42,64 @@ PHASES = {
     "decode": (0, 0, 1, 512, 0),
 }
 
-SOURCE = CP16 + r"""__device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
+SOURCE = CP16 + r"""
+// Bulk copies (sm_90): global to shared completing on an mbarrier (a warp's own, one arrival),
+// shared to global in bulk groups.
+typedef unsigned long long u64;
+__device__ __forceinline__ u32 sh(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(u64* b) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sh(b)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bar_expect(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sh(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(u64* b, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(sh(b)), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(sh(dst)), "l"(src), "r"(bytes), "r"(sh(b)) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(sh(src)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// The lanes' reads of shared memory done before an async-proxy copy overwrites it.
+__device__ __forceinline__ void reads_done() {
+    __syncwarp();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
 
 // n512: runs of 512 elements (1 KiB of 16-bit data). A warp's step is one run: lane l moves the
 // run's 16-byte chunks l and l + 32 of each 16-bit stream, and chunk l of a wire run (WIN, WOUT
-// bytes a run, lanes l < bytes / 16). REG: every read into registers at its step (no ring).
-template <int X, int RES, int OUT, int WIN, int WOUT, int REG>
+// bytes a run, lanes l < bytes / 16). LOAD 0: the cp.async ring; 1: every read into registers at
+// its step (no ring); 2: the ring filled by lane 0's bulk copies.
+template <int X, int RES, int OUT, int WIN, int WOUT, int LOAD>
 __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __restrict__ res, uint4* __restrict__ out,
                                         const uint4* __restrict__ win, uint4* __restrict__ wout, long long n512) {
-    __shared__ __align__(16) uint4 ring[2][8][160];   // a warp's input (0-63), residual (64-127), wire (128-159)
+    __shared__ __align__(128) uint4 ring[2][8][160];   // a warp's input (0-63), residual (64-127), wire (128-159)
+    __shared__ u64 bar[2][8];
+    constexpr int REG = LOAD == 1;
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     long long r = (long long)blockIdx.x * (blockDim.x >> 5) + wp;
     auto issue = [&](long long v, int k) {
+        if (LOAD == 2) {
+            if (lane == 0 && v < n512) {
+                bar_expect(&bar[k][wp], (X + RES) * 1024 + WIN);
+                if (X) bulk_load(&ring[k][wp][0], x + 64 * v, 1024, &bar[k][wp]);
+                if (RES) bulk_load(&ring[k][wp][64], res + 64 * v, 1024, &bar[k][wp]);
+                if (WIN) bulk_load(&ring[k][wp][128], win + (WIN / 16) * v, WIN, &bar[k][wp]);
+            }
+            return;
+        }
         if (v < n512) {
             if (X) {
                 cp16(&ring[k][wp][lane], x + 64 * v + lane);
@@ -66,6 +113,8 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    if (LOAD == 2 && lane == 0) { bar_init(&bar[0][wp]); bar_init(&bar[1][wp]); }
+    __syncwarp();
     if (!REG) issue(r, 0);
     for (int step = 0; r < n512; r += warps, ++step) {
         const int k = step & 1;
@@ -75,9 +124,10 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
             if (RES) { a = x4(a, __ldcg(res + 64 * r + lane)); b = x4(b, __ldcg(res + 64 * r + lane + 32)); }
             if (WIN && lane < WIN / 16) a = x4(a, __ldcg(win + (WIN / 16) * r + lane));
         } else {
-            __syncwarp();
+            if (LOAD == 2) reads_done(); else __syncwarp();
             issue(r + warps, k ^ 1);
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
+            if (LOAD == 2) bar_wait(&bar[k][wp], (step >> 1) & 1);
+            else asm volatile("cp.async.wait_group 1;" ::: "memory");
             __syncwarp();
             if (X) { a = x4(a, ring[k][wp][lane]); b = x4(b, ring[k][wp][lane + 32]); }
             if (RES) { a = x4(a, ring[k][wp][64 + lane]); b = x4(b, ring[k][wp][96 + lane]); }
@@ -89,12 +139,11 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-#define STREAMS(NAME, X, RES, OUT, WIN, WOUT) extern "C" __global__ void __launch_bounds__(256, 3) \
-    NAME(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
-        streams<X, RES, OUT, WIN, WOUT, 0>(x, res, out, win, wout, n512); } \
-    extern "C" __global__ void __launch_bounds__(256, 3) \
-    NAME##_reg(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
-        streams<X, RES, OUT, WIN, WOUT, 1>(x, res, out, win, wout, n512); }
+#define STREAMS1(NAME, SUFFIX, X, RES, OUT, WIN, WOUT, LOAD) extern "C" __global__ void __launch_bounds__(256, 3) \
+    NAME##SUFFIX(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
+        streams<X, RES, OUT, WIN, WOUT, LOAD>(x, res, out, win, wout, n512); }
+#define STREAMS(NAME, X, RES, OUT, WIN, WOUT) STREAMS1(NAME, , X, RES, OUT, WIN, WOUT, 0) \
+    STREAMS1(NAME, _reg, X, RES, OUT, WIN, WOUT, 1) STREAMS1(NAME, _bulk, X, RES, OUT, WIN, WOUT, 2)
 
 // Copy shapes (--shapes): a warp's step RUNS consecutive KiB through a ring DEPTH steps deep
 // (cp.async), or (DEPTH 0) RUNS KiB loaded into registers (2 RUNS 16-byte loads a lane in flight).
@@ -137,8 +186,53 @@ __device__ __forceinline__ void copy_shape(const uint4* __restrict__ x, uint4* _
     copy_d##D##_r##R(const uint4* x, uint4* out, long long n512) { copy_shape<D, R>(x, out, n512); }
 COPY_SHAPE(2, 1) COPY_SHAPE(3, 1) COPY_SHAPE(4, 1) COPY_SHAPE(2, 2) COPY_SHAPE(3, 2)
 COPY_SHAPE(0, 1) COPY_SHAPE(0, 2) COPY_SHAPE(0, 4)
+
+// Bulk copy shapes: lane 0 of a warp fills a ring DEPTH steps deep with one bulk copy of RUNS KiB
+// a step; the lanes store it with 16-byte stores (BS 0), or lane 0 with one bulk copy (BS 1).
+template <int DEPTH, int RUNS, int BS>
+__device__ __forceinline__ void copy_bulk(const uint4* __restrict__ x, uint4* __restrict__ out, long long n512) {
+    __shared__ __align__(128) uint4 ring[DEPTH][8][64 * RUNS];
+    __shared__ u64 bar[DEPTH][8];
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5), nstep = n512 / RUNS;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + wp;
+    auto issue = [&](long long v, int k) {
+        if (lane == 0 && v < nstep) {
+            bar_expect(&bar[k][wp], 1024 * RUNS);
+            bulk_load(&ring[k][wp][0], x + 64 * RUNS * v, 1024 * RUNS, &bar[k][wp]);
+        }
+    };
+    if (lane == 0)
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) bar_init(&bar[d][wp]);
+    __syncwarp();
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) issue(r + d * warps, d);
+    for (int step = 0; r < nstep; r += warps, ++step) {
+        const int k = step % DEPTH;
+        bar_wait(&bar[k][wp], (step / DEPTH) & 1);
+        if (BS) {
+            if (lane == 0) {
+                bulk_store(out + 64 * RUNS * r, &ring[k][wp][0], 1024 * RUNS);
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 2 * RUNS; ++i) out[64 * RUNS * r + 32 * i + lane] = ring[k][wp][32 * i + lane];
+            reads_done();
+        }
+        issue(r + DEPTH * warps, k);
+    }
+    if (BS && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+#define COPY_BULK(D, R, BS, NAME) extern "C" __global__ void __launch_bounds__(256, 3) \
+    copy_##NAME##D##_r##R(const uint4* x, uint4* out, long long n512) { copy_bulk<D, R, BS>(x, out, n512); }
+COPY_BULK(2, 1, 0, b) COPY_BULK(4, 1, 0, b) COPY_BULK(2, 2, 0, b)
+COPY_BULK(2, 1, 1, bs) COPY_BULK(4, 1, 1, bs) COPY_BULK(2, 2, 1, bs)
 """ + "".join(f"STREAMS({p}, {', '.join(map(str, f))})\n" for p, f in PHASES.items())
-SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4")
+SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4",
+          "b2_r1", "b4_r1", "b2_r2", "bs2_r1", "bs4_r1", "bs2_r2")
+LOADS = ("", "_reg", "_bulk")   # the phases' streams: cp.async ring, registers, bulk copies
 GRIDS = (1, 2, 3, 4, 8)   # blocks a SM
 
 
@@ -156,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--grid", type=int, default=0,
                    help="blocks of the phases' streams (default 3 a SM)")
     p.add_argument("--reg", action="store_true", help="also each phase's streams with register loads (no ring)")
+    p.add_argument("--bulk", action="store_true", help="also each phase's streams with the ring filled by bulk copies")
     p.add_argument("--shapes", action="store_true",
                    help="also a plain copy in other shapes and grids: ring depth, KiB a warp's step, blocks a SM")
     a = p.parse_args(argv)
@@ -176,10 +271,18 @@ def main(argv=None) -> int:
           f"{copy_tbs:.2f} TB/s")
     for elems in a.elems:
         n512 = elems // 512
-        x, res, out = (cp.ones(2 * elems, dtype=cp.uint8) for _ in range(3))
-        win, wout = cp.ones(n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
+        x, res, out = (cp.random.randint(0, 256, 2 * elems, dtype=cp.uint8) for _ in range(3))
+        win, wout = cp.random.randint(0, 256, n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
         best: dict = {}
-        names = [p + s for s in ("", "_reg")[:1 + a.reg] for p in PHASES]
+        loads = [s for s, on in zip(LOADS, (True, a.reg, a.bulk)) if on]
+        names = [p + s for s in loads for p in PHASES]
+        decoded = []      # each form's decode moves the same bytes: the same output
+        for s in loads:
+            out[:] = 0
+            mod.get_function("decode" + s)((grid,), (256,), (x, res, out, win, wout, np.int64(n512)))
+            decoded.append(out.copy())
+        if any(not bool((d == decoded[0]).all()) for d in decoded):
+            raise SystemExit("stream_mix: the decode's forms stored different bytes")
         for _ in range(a.reps):      # phases alternate within a rep
             for name in names:
                 f = mod.get_function(name)
@@ -189,7 +292,7 @@ def main(argv=None) -> int:
         print(f"\n## {elems} elements, us (best of {a.reps} medians of {a.iters}), TB/s, % of the copy rate\n")
         print("| phase | MB | us | TB/s | % |\n|---|---:|---:|---:|---:|")
         for name, t in best.items():
-            b = bytes_moved(name.removesuffix("_reg"), elems)
+            b = bytes_moved(name.split("_")[0], elems)
             tbs = b / t / 1e6
             print(f"| {name} | {b / 1e6:.0f} | {t:.1f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f} |")
         if a.shapes:
@@ -201,6 +304,9 @@ def main(argv=None) -> int:
                         t = per_launch_us(lambda _s, f=f, g=g: f((g * sms,), (256,), (x, out, np.int64(n512))),
                                           a.iters, spin)
                         shape_t[shape, g] = min(t, shape_t.get((shape, g), t))
+                    if not bool((out == x).all()):
+                        raise SystemExit(f"stream_mix: copy_{shape} did not copy")
+                    out[:] = 0
             print(f"\n### copy shapes, {elems} elements: TB/s (% of the copy rate) by blocks a SM\n")
             print("| shape | " + " | ".join(f"{g} a SM" for g in GRIDS) + " |\n|---|" + "---:|" * len(GRIDS))
             for shape in SHAPES:
