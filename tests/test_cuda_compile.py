@@ -134,7 +134,8 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
             assert mod.kernel_name(*case) in entries, case
     if tool == "stream_mix":
         entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
-        assert entries == {p + s for p in mod.PHASES for s in mod.LOADS} | {"copy_" + s for s in mod.SHAPES}
+        assert entries == ({p + s for p in mod.PHASES for s in mod.LOADS} | {p + "_shift" for p in mod.SHIFTED}
+                           | {"copy_" + s for s in mod.SHAPES})
 
 
 @pytest.mark.nvcc

@@ -17,11 +17,12 @@ Every read comes through shared memory by ``cp.async`` a step ahead (input and r
 fused loops' ``g_ring``, the wire as the decode's copies), again (``--reg``) into registers at its
 step, and again (``--bulk``) by bulk copies (``cp.async.bulk``, sm_90: one lane of a warp issues
 the step's runs, completing on the warp's ``mbarrier``); every store is 16 bytes a lane, 512
-contiguous bytes an instruction. What a phase of
-the fused kernel takes beyond its stream's time here is its instructions and its synchronization,
-not HBM.
+contiguous bytes an instruction, but (``--shift``) where the output lies one element off 16-byte
+alignment as the shifted twins store it (a run's whole words, then its bytes of the two words it
+shares with its neighbours by 2-byte stores). What a phase of the fused kernel takes beyond its
+stream's time here is its instructions and its synchronization, not HBM.
 
-    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--shapes]
+    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--shift] [--shapes]
 
 2^28 elements: a phase of a 1 GiB all-reduce at P = 2 (each rank's slice).
 """
@@ -134,7 +135,13 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
             if (WIN && lane < WIN / 16) a = x4(a, ring[k][wp][128 + lane]);
         }
         if (RES) { res[64 * r + lane] = b; res[64 * r + lane + 32] = a; }
-        if (OUT) { out[64 * r + lane] = a; out[64 * r + lane + 32] = b; }
+        if (OUT == 1) { out[64 * r + lane] = a; out[64 * r + lane + 32] = b; }
+        if (OUT == 2) {   // one element off alignment, stored as the shifted twins store a run
+            if (lane > 0) out[64 * r + lane] = a;
+            out[64 * r + lane + 32] = b;
+            if (lane < 16 && (lane < 8 ? lane >= 1 : lane == 8))
+                reinterpret_cast<unsigned short*>(out + 64 * r + (lane < 8 ? 0 : 64))[lane & 7] = (unsigned short)a.x;
+        }
         if (WOUT && lane < WOUT / 16) wout[(WOUT / 16) * r + lane] = x4(a, b);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -229,7 +236,10 @@ __device__ __forceinline__ void copy_bulk(const uint4* __restrict__ x, uint4* __
     copy_##NAME##D##_r##R(const uint4* x, uint4* out, long long n512) { copy_bulk<D, R, BS>(x, out, n512); }
 COPY_BULK(2, 1, 0, b) COPY_BULK(4, 1, 0, b) COPY_BULK(2, 2, 0, b)
 COPY_BULK(2, 1, 1, bs) COPY_BULK(4, 1, 1, bs) COPY_BULK(2, 2, 1, bs)
-""" + "".join(f"STREAMS({p}, {', '.join(map(str, f))})\n" for p, f in PHASES.items())
+""" + "".join(f"STREAMS({p}, {', '.join(map(str, f))})\n" for p, f in PHASES.items()) \
+  + "".join(f"STREAMS1({p}, _shift, {x}, {res}, 2, {win}, {wout}, 0)\n"
+            for p, (x, res, out, win, wout) in PHASES.items() if out)
+SHIFTED = tuple(p for p, f in PHASES.items() if f[2])   # --shift: the phases that write the output
 SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4",
           "b2_r1", "b4_r1", "b2_r2", "bs2_r1", "bs4_r1", "bs2_r2")
 LOADS = ("", "_reg", "_bulk")   # the phases' streams: cp.async ring, registers, bulk copies
@@ -251,6 +261,8 @@ def main(argv=None) -> int:
                    help="blocks of the phases' streams (default 3 a SM)")
     p.add_argument("--reg", action="store_true", help="also each phase's streams with register loads (no ring)")
     p.add_argument("--bulk", action="store_true", help="also each phase's streams with the ring filled by bulk copies")
+    p.add_argument("--shift", action="store_true",
+                   help="also the phases that write the output with it one element off 16-byte alignment")
     p.add_argument("--shapes", action="store_true",
                    help="also a plain copy in other shapes and grids: ring depth, KiB a warp's step, blocks a SM")
     a = p.parse_args(argv)
@@ -271,11 +283,11 @@ def main(argv=None) -> int:
           f"{copy_tbs:.2f} TB/s")
     for elems in a.elems:
         n512 = elems // 512
-        x, res, out = (cp.random.randint(0, 256, 2 * elems, dtype=cp.uint8) for _ in range(3))
+        x, res, out = (cp.random.randint(0, 256, 2 * elems + 16, dtype=cp.uint8) for _ in range(3))
         win, wout = cp.random.randint(0, 256, n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
         best: dict = {}
         loads = [s for s, on in zip(LOADS, (True, a.reg, a.bulk)) if on]
-        names = [p + s for s in loads for p in PHASES]
+        names = [p + s for s in loads for p in PHASES] + [p + "_shift" for p in SHIFTED if a.shift]
         decoded = []      # each form's decode moves the same bytes: the same output
         for s in loads:
             out[:] = 0
@@ -304,7 +316,7 @@ def main(argv=None) -> int:
                         t = per_launch_us(lambda _s, f=f, g=g: f((g * sms,), (256,), (x, out, np.int64(n512))),
                                           a.iters, spin)
                         shape_t[shape, g] = min(t, shape_t.get((shape, g), t))
-                    if not bool((out == x).all()):
+                    if not bool((out[:2 * elems] == x[:2 * elems]).all()):
                         raise SystemExit(f"stream_mix: copy_{shape} did not copy")
                     out[:] = 0
             print(f"\n### copy shapes, {elems} elements: TB/s (% of the copy rate) by blocks a SM\n")
