@@ -42,6 +42,7 @@ PHASES = {
     "owner": (1, 1, 1, 288, 512),
     "decode": (0, 0, 1, 512, 0),
 }
+SHIFTED = tuple(p for p, f in PHASES.items() if f[2])   # --shift: the phases that write the output
 
 SOURCE = CP16 + r"""
 // Bulk copies (sm_90): global to shared completing on an mbarrier (a warp's own, one arrival),
@@ -238,8 +239,7 @@ COPY_BULK(2, 1, 0, b) COPY_BULK(4, 1, 0, b) COPY_BULK(2, 2, 0, b)
 COPY_BULK(2, 1, 1, bs) COPY_BULK(4, 1, 1, bs) COPY_BULK(2, 2, 1, bs)
 """ + "".join(f"STREAMS({p}, {', '.join(map(str, f))})\n" for p, f in PHASES.items()) \
   + "".join(f"STREAMS1({p}, _shift, {x}, {res}, 2, {win}, {wout}, 0)\n"
-            for p, (x, res, out, win, wout) in PHASES.items() if out)
-SHIFTED = tuple(p for p, f in PHASES.items() if f[2])   # --shift: the phases that write the output
+            for p, (x, res, _, win, wout) in PHASES.items() if p in SHIFTED)
 SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4",
           "b2_r1", "b4_r1", "b2_r2", "bs2_r1", "bs4_r1", "bs2_r2")
 LOADS = ("", "_reg", "_bulk")   # the phases' streams: cp.async ring, registers, bulk copies
