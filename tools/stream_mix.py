@@ -140,7 +140,7 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
         if (OUT == 2) {   // one element off alignment, stored as the shifted twins store a run
             if (lane > 0) out[64 * r + lane] = a;
             out[64 * r + lane + 32] = b;
-            if (lane < 16 && (lane < 8 ? lane >= 1 : lane == 8))
+            if (lane >= 1 && lane <= 8)   // word 0's elements 1-7, word 64's element 0
                 reinterpret_cast<unsigned short*>(out + 64 * r + (lane < 8 ? 0 : 64))[lane & 7] = (unsigned short)a.x;
         }
         if (WOUT && lane < WOUT / 16) wout[(WOUT / 16) * r + lane] = x4(a, b);
