@@ -1,6 +1,7 @@
 """The CPU engine's transport: grouped nonblocking MPI send/recv of byte buffers."""
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
@@ -75,6 +76,11 @@ _OUT_OF_STEP = ("the ranks are running different collectives (calls out of step,
                 "differ in a call signature already checked); this communicator cannot be used further")
 
 
+# wait_all polls yielding the core (ranks may share cores, and a rank that spins without yielding
+# holds up the peer it waits for), then, after a long wait, sleeps 0.1 ms a poll.
+_SPINS_BEFORE_SLEEP = 20000
+
+
 def wait_all(reqs, timeout: float, what: str, statuses=None, peers=None) -> None:
     """Wait for mpi4py requests, polling, and raise `PeerTimeoutError` after ``timeout`` s.
     ``statuses``: optional list of `MPI.Status`, filled as in ``MPI.Request.Testall``;
@@ -98,8 +104,10 @@ def wait_all(reqs, timeout: float, what: str, statuses=None, peers=None) -> None
             who = f"; no answer from ranks {sorted(silent)}" if silent else ""
             raise PeerTimeoutError(f"{what} did not complete within {timeout:g} s (a peer died or hangs){who}")
         spins += 1
-        if spins > 1000:
+        if spins > _SPINS_BEFORE_SLEEP:
             time.sleep(1e-4)
+        else:
+            os.sched_yield()
 
 
 def allgather_object(comm, obj, timeout: float) -> list:
