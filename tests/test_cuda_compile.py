@@ -1,6 +1,7 @@
 """The CUDA sources compile with nvcc (no GPU needed): the prebuilt kernels as the wheel carries
 them (each architecture's SASS, ptxas's registers and spills), every kernel of the table to PTX
-with exactly the table's entry points, and arithmetic that no compiler flag can change.
+with exactly the table's entry points, and arithmetic that no compiler flag can change (on a
+pairwise cover of the table; on all of it in make test-all).
 
 The compile tests (marker ``nvcc``) skip when nvcc is missing, except under CI=true, where that
 is a failure. Their nvcc runs are cached by fingerprint (``ECHONCCL_DEV_NVCC_CACHE``, set by
@@ -9,6 +10,7 @@ itself is tested with a fake nvcc.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -21,6 +23,7 @@ from echonccl import build
 from echonccl import kernel_table as kt
 
 NVCC = build.find_nvcc()
+LOOSE = ("-std=c++17", "-ftz=true", "--use_fast_math")   # CuPy appends -ftz=true for NVRTC
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +41,40 @@ def prebuilt(nvcc):
     return build.compile_fatbin(kt.PREBUILT, nvcc=nvcc)
 
 
+def _pairwise_cover(kernels) -> list:
+    """Few kernels of ``kernels`` in which every pair of values two of their fields take together
+    somewhere (a family with a codec, a residual type with a dtype, ...) occurs (greedy)."""
+    fields = [f.name for f in dataclasses.fields(kt.Kernel)]
+
+    def pairs(k):
+        return {(a, getattr(k, a), b, getattr(k, b)) for a, b in itertools.combinations(fields, 2)}
+
+    need, chosen = set().union(*map(pairs, kernels)), []
+    while need:
+        k = max(kernels, key=lambda k: len(pairs(k) & need))
+        chosen.append(k)
+        need -= pairs(k)
+    return chosen
+
+
+def _ptx(nvcc, kernels, flags) -> str:
+    """``kernels`` compiled to PTX for sm_90 from the inlined source (what NVRTC gets, no include
+    path) with ``flags``, nvcc's banner left out."""
+    out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", *flags, "-o", "k.ptx", "k.cu"],
+                            {"k.cu": kt.source(kernels).encode()}, ["k.ptx"], nvcc)
+    return "\n".join(ln for ln in out["k.ptx"].read_text().splitlines() if not ln.lstrip().startswith("//"))
+
+
 @pytest.fixture(scope="module")
 def ptx(nvcc):
-    """Every kernel of the table compiled to PTX from the inlined source (what NVRTC gets, no
-    include path), with the exact flags and with loose ones (-ftz=true, fast math), side by side."""
-    src = kt.source(kt.ALL).encode()
-
-    def compile_(flags):
-        out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", *flags, "-o", "k.ptx", "k.cu"], {"k.cu": src}, ["k.ptx"], nvcc)
-        text = out["k.ptx"].read_text()
-        return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("//"))   # no banner
-
+    """Every kernel of the table compiled to PTX with the exact flags, in two halves; and a
+    pairwise cover of the table's kernels with the exact flags and with loose ones (-ftz=true, fast
+    math): (the halves, (exact, loose))."""
+    cover = _pairwise_cover(kt.ALL)
+    jobs = [(kt.ALL[0::2], kt.NVCC_FLAGS), (kt.ALL[1::2], kt.NVCC_FLAGS), (cover, kt.NVCC_FLAGS), (cover, LOOSE)]
     with ThreadPoolExecutor(2) as pool:
-        exact, loose = pool.map(compile_, (kt.NVCC_FLAGS, ("-std=c++17", "-ftz=true", "--use_fast_math")))
-    return exact, loose
+        half0, half1, exact, loose = pool.map(lambda job: _ptx(nvcc, *job), jobs)
+    return (half0, half1), (exact, loose)
 
 
 @pytest.mark.nvcc
@@ -140,20 +163,46 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
 
 @pytest.mark.nvcc
 def test_every_kernel_of_the_table_compiles_from_the_inlined_source(ptx):
-    exact, _ = ptx
-    assert sorted(re.findall(r"\.entry\s+(\w+)", exact)) == sorted(k.name for k in kt.ALL)
+    halves, _ = ptx
+    assert sorted(re.findall(r"\.entry\s+(\w+)", "".join(halves))) == sorted(k.name for k in kt.ALL)
 
 
-@pytest.mark.nvcc
-def test_arithmetic_ignores_ftz_and_fast_math(ptx):
-    """CuPy appends -ftz=true to NVRTC options: the PTX must not depend on it (nor on fmad)."""
-    exact, loose = ptx
+def test_the_pairwise_cover_covers():
+    cover = _pairwise_cover(kt.ALL)
+    assert len(cover) < len(kt.ALL) // 4
+    for a, b in itertools.combinations(("family", "dtype", "codec", "res", "shifted"), 2):
+        assert ({(getattr(k, a), getattr(k, b)) for k in cover}
+                == {(getattr(k, a), getattr(k, b)) for k in kt.ALL}), (a, b)
+
+
+def _exact_arithmetic(exact: str, loose: str) -> None:
     assert exact == loose
     assert ".ftz" not in exact
     # The only fma is codec_base.cuh's explicit fma_rn (products by +-1 or a power of two, exact);
     # a contracted one would make exact and loose differ.
     assert not re.search(r"\bfma\.(?!rn\.f32\s)", exact)
-    assert "div.rn.f32" in exact and "div.approx" not in exact
+    assert "div.approx" not in exact
+
+
+@pytest.mark.nvcc
+def test_arithmetic_ignores_ftz_and_fast_math(ptx):
+    """CuPy appends -ftz=true to NVRTC options: the PTX must not depend on it (nor on fmad), on a
+    pairwise cover of the table's kernels (the whole table: the `slow` test below)."""
+    halves, (exact, loose) = ptx
+    _exact_arithmetic(exact, loose)
+    assert "div.rn.f32" in exact
+    for half in halves:
+        assert ".ftz" not in half and "div.approx" not in half
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_every_kernel_ignores_ftz_and_fast_math(nvcc, ptx):
+    halves, _ = ptx
+    with ThreadPoolExecutor(2) as pool:
+        loose = list(pool.map(lambda ks: _ptx(nvcc, ks, LOOSE), (kt.ALL[0::2], kt.ALL[1::2])))
+    for exact, loose_half in zip(halves, loose):
+        _exact_arithmetic(exact, loose_half)
 
 
 # ------------------------------------------------------------------ the nvcc cache (fake nvcc)
