@@ -18,13 +18,15 @@ setup: $(VENV)/.installed
 
 # The CI command: the type check and every test but the long `slow` runs (multi-rank ones under
 # mpiexec, several checks a launch; the wheel; nvcc compiles: one compile per run, kept by
-# fingerprint in build/nvcc-cache). Every multi-rank check runs at 2 ranks and at 3 or more.
+# fingerprint in build/nvcc-cache). Every multi-rank check runs at 3 ranks, and at 2 but for the
+# faults (a rank that fails or goes silent) and the codecs that are not the default (test-all).
 test: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra -m "not slow"
 
 # Everything, the `slow` runs included: the multi-rank checks again at 4 ranks (tests/test_multirank.py,
-# tests/test_properties.py) and telescoping at 8, oversubscribing the cores.
+# tests/test_properties.py) and telescoping at 8, oversubscribing the cores; the faults and other
+# codecs at 2 ranks; ThreadSanitizer on every loop; ftz / fast math on every kernel of the table.
 test-all: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra

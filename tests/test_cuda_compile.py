@@ -1,6 +1,6 @@
 """The CUDA sources compile with nvcc (no GPU needed): the prebuilt kernels as the wheel carries
-them (each architecture's SASS, ptxas's registers and spills), every kernel of the table to PTX
-with exactly the table's entry points, and arithmetic that no compiler flag can change (on a
+them (each architecture's SASS, ptxas's registers and spills), the other kernels of the table to
+PTX with exactly the table's entry points, and arithmetic that no compiler flag can change (on a
 pairwise cover of the table; on all of it in make test-all).
 
 The compile tests (marker ``nvcc``) skip when nvcc is missing, except under CI=true, where that
@@ -65,13 +65,17 @@ def _ptx(nvcc, kernels, flags) -> str:
     return "\n".join(ln for ln in out["k.ptx"].read_text().splitlines() if not ln.lstrip().startswith("//"))
 
 
+# The table's kernels that are not prebuilt (the prebuilt ones compile in the `prebuilt` fixture).
+_REST = tuple(k for k in kt.ALL if k not in kt.PREBUILT)
+
+
 @pytest.fixture(scope="module")
 def ptx(nvcc):
-    """Every kernel of the table compiled to PTX with the exact flags, in two halves; and a
-    pairwise cover of the table's kernels with the exact flags and with loose ones (-ftz=true, fast
-    math): (the halves, (exact, loose))."""
+    """The table's kernels that are not prebuilt compiled to PTX with the exact flags, in two
+    halves; and a pairwise cover of the whole table with the exact flags and with loose ones
+    (-ftz=true, fast math): (the halves, (exact, loose))."""
     cover = _pairwise_cover(kt.ALL)
-    jobs = [(kt.ALL[0::2], kt.NVCC_FLAGS), (kt.ALL[1::2], kt.NVCC_FLAGS), (cover, kt.NVCC_FLAGS), (cover, LOOSE)]
+    jobs = [(_REST[0::2], kt.NVCC_FLAGS), (_REST[1::2], kt.NVCC_FLAGS), (cover, kt.NVCC_FLAGS), (cover, LOOSE)]
     with ThreadPoolExecutor(2) as pool:
         half0, half1, exact, loose = pool.map(lambda job: _ptx(nvcc, *job), jobs)
     return (half0, half1), (exact, loose)
@@ -162,9 +166,12 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
 
 
 @pytest.mark.nvcc
-def test_every_kernel_of_the_table_compiles_from_the_inlined_source(ptx):
-    halves, _ = ptx
-    assert sorted(re.findall(r"\.entry\s+(\w+)", "".join(halves))) == sorted(k.name for k in kt.ALL)
+def test_every_kernel_of_the_table_compiles_from_the_inlined_source(ptx, prebuilt):
+    halves, (cover, _) = ptx
+    entries = re.findall(r"\.entry\s+(\w+)", "".join(halves))
+    assert sorted(entries) == sorted(k.name for k in _REST)
+    assert set(prebuilt[1]["resources"]["sm_90"]["registers"]) == {k.name for k in kt.PREBUILT}
+    assert set(re.findall(r"\.entry\s+(\w+)", cover)) & {k.name for k in kt.PREBUILT}   # inlined too
 
 
 def test_the_pairwise_cover_covers():
@@ -197,12 +204,12 @@ def test_arithmetic_ignores_ftz_and_fast_math(ptx):
 
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_every_kernel_ignores_ftz_and_fast_math(nvcc, ptx):
-    halves, _ = ptx
+def test_every_kernel_ignores_ftz_and_fast_math(nvcc):
+    jobs = [(half, flags) for half in (kt.ALL[0::2], kt.ALL[1::2]) for flags in (kt.NVCC_FLAGS, LOOSE)]
     with ThreadPoolExecutor(2) as pool:
-        loose = list(pool.map(lambda ks: _ptx(nvcc, ks, LOOSE), (kt.ALL[0::2], kt.ALL[1::2])))
-    for exact, loose_half in zip(halves, loose):
-        _exact_arithmetic(exact, loose_half)
+        e0, l0, e1, l1 = pool.map(lambda job: _ptx(nvcc, *job), jobs)
+    _exact_arithmetic(e0, l0)
+    _exact_arithmetic(e1, l1)
 
 
 # ------------------------------------------------------------------ the nvcc cache (fake nvcc)

@@ -117,8 +117,15 @@ def test_check(check_launches, check, n):
     assert not res.warnings(), res.stderr[-2000:]
 
 
+# A rank that fails or goes silent is noticed in the next call's metadata check, before any
+# schedule runs (the same code at any world size); 3 ranks check it with two survivors at once in
+# every CI run, 2 ranks (one survivor) only in make test-all (`slow`: seconds of waiting that tell
+# nothing new).
+FAULT_RANKS = [pytest.param(2, marks=pytest.mark.slow), 3]
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", FAULT_RANKS)
 def test_argument_error_on_one_rank_times_out_the_others(n):
     t0 = time.monotonic()
     res = run_check(n, "local_error", timeout=60)
@@ -142,7 +149,7 @@ def test_ranks_out_of_step_raise_mismatch_not_garbage(n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", FAULT_RANKS)
 def test_every_call_is_checked_and_a_failed_communicator_refuses(n):
     """The sequences of issue 15 that used to time out and then compute garbage: now a
     MismatchError on every rank (the next call is right), and after a timeout every later
@@ -152,12 +159,6 @@ def test_every_call_is_checked_and_a_failed_communicator_refuses(n):
     assert f"OK after_failure ranks={n} engine=cpu" in res.stdout, res.stdout + res.stderr
     assert res.stdout.count("MismatchError on every rank, then right") == 2 * n, res.stdout
     assert res.stdout.count("then CommunicatorFailedError") == n, res.stdout
-
-
-# A silent peer is noticed in the next call's metadata check, before any schedule runs (the same
-# code at any world size); 3 ranks check it with two survivors at once in every CI run, 2 ranks
-# (one survivor) only in make test-all (`slow`: seconds of waiting that tell nothing new).
-FAULT_RANKS = [pytest.param(2, marks=pytest.mark.slow), 3]
 
 
 @pytest.mark.mpi
