@@ -26,7 +26,8 @@ test: setup corpus
 
 # Everything, the `slow` runs included: the multi-rank checks again at 4 ranks (tests/test_multirank.py,
 # tests/test_properties.py) and telescoping at 8, oversubscribing the cores; the faults and other
-# codecs at 2 ranks; ThreadSanitizer on every loop; ftz / fast math on every kernel of the table.
+# codecs at 2 ranks; ThreadSanitizer on every loop; every kernel of the table compiled to PTX, with
+# and without fast math (CI: a pairwise cover of the table).
 test-all: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra

@@ -1,7 +1,8 @@
 """The CUDA sources compile with nvcc (no GPU needed): the prebuilt kernels as the wheel carries
-them (each architecture's SASS, ptxas's registers and spills), the other kernels of the table to
-PTX with exactly the table's entry points, and arithmetic that no compiler flag can change (on a
-pairwise cover of the table; on all of it in make test-all).
+them (each architecture's SASS, ptxas's registers and spills), and the table's kernels to PTX from
+the inlined source, with exactly their entry points and arithmetic that no compiler flag can
+change: a pairwise cover of the table (every pair of values two kernel fields take together) in
+every CI run, the whole table in make test-all (`slow`).
 
 The compile tests (marker ``nvcc``) skip when nvcc is missing, except under CI=true, where that
 is a failure. Their nvcc runs are cached by fingerprint (``ECHONCCL_DEV_NVCC_CACHE``, set by
@@ -65,20 +66,14 @@ def _ptx(nvcc, kernels, flags) -> str:
     return "\n".join(ln for ln in out["k.ptx"].read_text().splitlines() if not ln.lstrip().startswith("//"))
 
 
-# The table's kernels that are not prebuilt (the prebuilt ones compile in the `prebuilt` fixture).
-_REST = tuple(k for k in kt.ALL if k not in kt.PREBUILT)
-
-
 @pytest.fixture(scope="module")
 def ptx(nvcc):
-    """The table's kernels that are not prebuilt compiled to PTX with the exact flags, in two
-    halves; and a pairwise cover of the whole table with the exact flags and with loose ones
-    (-ftz=true, fast math): (the halves, (exact, loose))."""
+    """A pairwise cover of the table's kernels compiled to PTX with the exact flags and with loose
+    ones (-ftz=true, fast math), side by side: (exact, loose)."""
     cover = _pairwise_cover(kt.ALL)
-    jobs = [(_REST[0::2], kt.NVCC_FLAGS), (_REST[1::2], kt.NVCC_FLAGS), (cover, kt.NVCC_FLAGS), (cover, LOOSE)]
     with ThreadPoolExecutor(2) as pool:
-        half0, half1, exact, loose = pool.map(lambda job: _ptx(nvcc, *job), jobs)
-    return (half0, half1), (exact, loose)
+        exact, loose = pool.map(lambda flags: _ptx(nvcc, cover, flags), (kt.NVCC_FLAGS, LOOSE))
+    return exact, loose
 
 
 @pytest.mark.nvcc
@@ -165,13 +160,8 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
                            | {"copy_" + s for s in mod.SHAPES})
 
 
-@pytest.mark.nvcc
-def test_every_kernel_of_the_table_compiles_from_the_inlined_source(ptx, prebuilt):
-    halves, (cover, _) = ptx
-    entries = re.findall(r"\.entry\s+(\w+)", "".join(halves))
-    assert sorted(entries) == sorted(k.name for k in _REST)
-    assert set(prebuilt[1]["resources"]["sm_90"]["registers"]) == {k.name for k in kt.PREBUILT}
-    assert set(re.findall(r"\.entry\s+(\w+)", cover)) & {k.name for k in kt.PREBUILT}   # inlined too
+def _entries(ptx_text: str) -> list:
+    return sorted(re.findall(r"\.entry\s+(\w+)", ptx_text))
 
 
 def test_the_pairwise_cover_covers():
@@ -192,22 +182,22 @@ def _exact_arithmetic(exact: str, loose: str) -> None:
 
 
 @pytest.mark.nvcc
-def test_arithmetic_ignores_ftz_and_fast_math(ptx):
-    """CuPy appends -ftz=true to NVRTC options: the PTX must not depend on it (nor on fmad), on a
-    pairwise cover of the table's kernels (the whole table: the `slow` test below)."""
-    halves, (exact, loose) = ptx
+def test_a_pairwise_cover_of_the_table_compiles_and_ignores_ftz_and_fast_math(ptx):
+    """The cover's kernels compile from the inlined source with exactly their entry points, and
+    CuPy's -ftz=true (appended to NVRTC options) changes nothing in their PTX, nor would fmad."""
+    exact, loose = ptx
+    assert _entries(exact) == sorted(k.name for k in _pairwise_cover(kt.ALL))
     _exact_arithmetic(exact, loose)
     assert "div.rn.f32" in exact
-    for half in halves:
-        assert ".ftz" not in half and "div.approx" not in half
 
 
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_every_kernel_ignores_ftz_and_fast_math(nvcc):
+def test_every_kernel_of_the_table_compiles_and_ignores_ftz_and_fast_math(nvcc):
     jobs = [(half, flags) for half in (kt.ALL[0::2], kt.ALL[1::2]) for flags in (kt.NVCC_FLAGS, LOOSE)]
     with ThreadPoolExecutor(2) as pool:
         e0, l0, e1, l1 = pool.map(lambda job: _ptx(nvcc, *job), jobs)
+    assert sorted(_entries(e0) + _entries(e1)) == sorted(k.name for k in kt.ALL)
     _exact_arithmetic(e0, l0)
     _exact_arithmetic(e1, l1)
 

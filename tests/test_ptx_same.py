@@ -1,6 +1,6 @@
 """tools/ptx_same.py: what its PTX comparison calls the same (comments, symbol names and virtual
 register numbers aside) and what it calls different; end to end with nvcc against a copy of this
-checkout (marker ``nvcc``)."""
+checkout (markers ``nvcc`` and ``slow``: a research tool's compile, make test-all)."""
 from __future__ import annotations
 
 import re
@@ -51,6 +51,7 @@ def test_instructions_and_register_roles_count():
 
 
 @pytest.mark.nvcc
+@pytest.mark.slow
 @pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
 def test_against_a_copy(tmp_path, capsys):
     copy = tmp_path / "other"
