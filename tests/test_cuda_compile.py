@@ -66,6 +66,11 @@ def _ptx(nvcc, kernels, flags) -> str:
     return "\n".join(ln for ln in out["k.ptx"].read_text().splitlines() if not ln.lstrip().startswith("//"))
 
 
+def _entries(ptx_text: str) -> list:
+    """The names of the kernels (entry points) a PTX text defines, sorted."""
+    return sorted(re.findall(r"\.entry\s+(\w+)", ptx_text))
+
+
 # The kernels every CI run compiles to PTX, a few dozen of the table's.
 COVER = _pairwise_cover(kt.ALL)
 
@@ -143,19 +148,14 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
     mod = importlib.import_module(tool)      # tools/ is on the path (pyproject.toml)
     out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", "-o", "t.ptx", "t.cu"], {"t.cu": getattr(mod, name).encode()},
                             ["t.ptx"], nvcc)
-    assert ".entry" in out["t.ptx"].read_text()
+    entries = set(_entries(out["t.ptx"].read_text()))
+    assert entries
     if tool == "hbm_mix":            # every case the tool can ask for is compiled
-        entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
         for case in itertools.product(mod.LAYOUTS, mod.WORKS, mod.STORES, mod.LOADS):
             assert mod.kernel_name(*case) in entries, case
     if tool == "stream_mix":
-        entries = set(re.findall(r"\.entry\s+(\w+)", out["t.ptx"].read_text()))
         assert entries == ({p + s for p in mod.PHASES for s in mod.LOADS} | {p + "_shift" for p in mod.SHIFTED}
                            | {"copy_" + s for s in mod.SHAPES})
-
-
-def _entries(ptx_text: str) -> list:
-    return sorted(re.findall(r"\.entry\s+(\w+)", ptx_text))
 
 
 def test_the_pairwise_cover_covers():
