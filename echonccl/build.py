@@ -59,14 +59,13 @@ def find_nvcc(nvcc: str | None = None) -> str | None:
     return None
 
 
-def fatbin_images(path) -> list[tuple[str, str]]:
-    """What a fatbin file holds, in order: ``("sass", "sm_90")``, ``("ptx", "compute_100")``, ...
+def fatbin_images(data: bytes) -> list[tuple[str, str]]:
+    """What a fatbin's bytes hold, in order: ``("sass", "sm_90")``, ``("ptx", "compute_100")``, ...
     (the container: a 16-byte header, magic 0xBA55ED50, then entries of kind 1 = PTX or 2 = ELF,
     each with its header size at byte 4, payload size at 8 and architecture at 28)."""
-    data = Path(path).read_bytes()
     magic, _, hsize, size = struct.unpack_from("<IHHQ", data, 0)
     if magic != 0xBA55ED50:
-        raise ValueError(f"{path} is not a fatbin")
+        raise ValueError("not a fatbin")
     out, off = [], hsize
     while off < hsize + size:
         kind, _, ehsize, payload = struct.unpack_from("<HHIQ", data, off)
@@ -113,9 +112,9 @@ def _cache_dir() -> Path | None:
 
 
 def nvcc_run(args: list[str], inputs: dict[str, bytes], outputs: list[str],
-             nvcc: str | None = None) -> tuple[dict[str, Path], str]:
+             nvcc: str | None = None) -> tuple[dict[str, bytes], str]:
     """Run ``nvcc *args`` in a folder holding ``inputs`` (name -> bytes; ``args`` name them and
-    ``outputs`` relative to it). Returns ({output: path}, nvcc's stdout + stderr); raises
+    ``outputs`` relative to it), removed after. Returns ({output: bytes}, nvcc's stdout + stderr); raises
     `RuntimeError` on a compile error. With ``ECHONCCL_DEV_NVCC_CACHE`` set, a run whose nvcc,
     arguments and inputs were seen before returns the stored outputs without compiling; a new
     entry appears whole (renamed into place) or not at all."""
@@ -131,7 +130,7 @@ def nvcc_run(args: list[str], inputs: dict[str, bytes], outputs: list[str],
             h.update(name.encode() + b"\0" + hashlib.sha256(inputs[name]).digest())
         entry = cache / h.hexdigest()
         if (entry / "log.txt").is_file():
-            return {o: entry / o for o in outputs}, (entry / "log.txt").read_text()
+            return {o: (entry / o).read_bytes() for o in outputs}, (entry / "log.txt").read_text()
         cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".nvcc-", dir=cache))
     try:
@@ -148,17 +147,14 @@ def nvcc_run(args: list[str], inputs: dict[str, bytes], outputs: list[str],
             if not (work / o).is_file():
                 raise RuntimeError(f"nvcc {' '.join(args)} wrote no {o}")
             shutil.move(str(work / o), staging / o)
-        (staging / "log.txt").write_text(log)      # last: it marks the entry complete
-        if cache is None:
-            keep = Path(tempfile.mkdtemp(prefix="echonccl-nvcc-"))
-            for o in outputs:
-                shutil.move(str(staging / o), keep / o)
-            return {o: keep / o for o in outputs}, log
-        try:
-            staging.rename(entry)                   # atomic; a concurrent run of the same key may win
-        except OSError:
-            pass
-        return {o: entry / o for o in outputs}, (entry / "log.txt").read_text()
+        result = {o: (staging / o).read_bytes() for o in outputs}
+        if cache is not None:
+            (staging / "log.txt").write_text(log)  # last: it marks the entry complete
+            try:
+                staging.rename(entry)               # atomic; a concurrent run of the same key may win
+            except OSError:
+                pass
+        return result, log
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -183,9 +179,9 @@ def ptxas_resources(log: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- the build
-def compile_fatbin(kernels=kt.PREBUILT, archs=None, nvcc: str | None = None) -> tuple[Path, dict]:
+def compile_fatbin(kernels=kt.PREBUILT, archs=None, nvcc: str | None = None) -> tuple[bytes, dict]:
     """nvcc ``-fatbin`` of ``kernels`` for ``archs`` (default: `ARCHS` this nvcc has) with ptxas's
-    report: (the fatbin's path, the manifest)."""
+    report: (the fatbin's bytes, the manifest)."""
     nvcc = find_nvcc(nvcc)
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set NVCC or put it on PATH)")
@@ -216,7 +212,7 @@ def build(out_dir: Path | str = DEFAULT_OUT, kernels=kt.PREBUILT, archs=None, nv
     fatbin, manifest = compile_fatbin(kernels, archs, nvcc)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(fatbin, out_dir / FATBIN)
+    (out_dir / FATBIN).write_bytes(fatbin)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out_dir / MANIFEST
 

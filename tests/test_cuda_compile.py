@@ -16,6 +16,7 @@ import itertools
 import os
 import re
 import stat
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -38,7 +39,7 @@ def nvcc():
 
 @pytest.fixture(scope="module")
 def prebuilt(nvcc):
-    """(fatbin path, manifest) of the prebuilt kernels, as `python -m echonccl.build` makes them."""
+    """(fatbin bytes, manifest) of the prebuilt kernels, as `python -m echonccl.build` makes them."""
     return build.compile_fatbin(kt.PREBUILT, nvcc=nvcc)
 
 
@@ -63,7 +64,7 @@ def _ptx(nvcc, kernels, flags) -> str:
     path) with ``flags``, nvcc's banner left out."""
     out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", *flags, "-o", "k.ptx", "k.cu"],
                             {"k.cu": kt.source(kernels).encode()}, ["k.ptx"], nvcc)
-    return "\n".join(ln for ln in out["k.ptx"].read_text().splitlines() if not ln.lstrip().startswith("//"))
+    return "\n".join(ln for ln in out["k.ptx"].decode().splitlines() if not ln.lstrip().startswith("//"))
 
 
 def _entries(ptx_text: str) -> list:
@@ -148,7 +149,7 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
     mod = importlib.import_module(tool)      # tools/ is on the path (pyproject.toml)
     out, _ = build.nvcc_run(["-arch=sm_90", "-ptx", "-o", "t.ptx", "t.cu"], {"t.cu": getattr(mod, name).encode()},
                             ["t.ptx"], nvcc)
-    entries = set(_entries(out["t.ptx"].read_text()))
+    entries = set(_entries(out["t.ptx"].decode()))
     assert entries
     if tool == "hbm_mix":            # every case the tool can ask for is compiled
         for case in itertools.product(mod.LAYOUTS, mod.WORKS, mod.STORES, mod.LOADS):
@@ -216,24 +217,28 @@ done
     return str(exe), lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
 
 
-def test_nvcc_results_are_cached_by_fingerprint(fake_nvcc, monkeypatch):
+def test_nvcc_results_are_cached_by_fingerprint(fake_nvcc, monkeypatch, tmp_path):
     exe, ncalls = fake_nvcc
     args = ["-ptx", *kt.NVCC_FLAGS, "-o", "a.ptx", "a.cu"]
     out, log = build.nvcc_run(args, {"a.cu": b"one"}, ["a.ptx"], exe)
-    assert out["a.ptx"].read_bytes() == b"one" and "built a.ptx" in log and ncalls() == 1
+    assert out["a.ptx"] == b"one" and "built a.ptx" in log and ncalls() == 1
     again, log2 = build.nvcc_run(args, {"a.cu": b"one"}, ["a.ptx"], exe)
     assert again == out and log2 == log and ncalls() == 1          # served from the cache
     changed, _ = build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
-    assert changed["a.ptx"].read_bytes() == b"two" and ncalls() == 2  # new source: compiled
+    assert changed["a.ptx"] == b"two" and ncalls() == 2  # new source: compiled
     build.nvcc_run(args[:1] + ["-ftz=true"] + args[1:], {"a.cu": b"two"}, ["a.ptx"], exe)
     assert ncalls() == 3                                           # new flags: compiled
     monkeypatch.setenv("FAKE_NVCC_VERSION", "2")
     build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
     assert ncalls() == 4                                           # another compiler: compiled
-    assert not [p for p in out["a.ptx"].parent.parent.iterdir() if p.name.startswith(".")]  # no temp left
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temp left
     monkeypatch.delenv("ECHONCCL_DEV_NVCC_CACHE")
-    build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
-    assert ncalls() == 5                                           # no cache: compiled again
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    uncached, _ = build.nvcc_run(args, {"a.cu": b"two"}, ["a.ptx"], exe)
+    assert uncached["a.ptx"] == b"two" and ncalls() == 5           # no cache: compiled again,
+    assert not list(scratch.iterdir())                             # and nothing left behind
 
 
 def test_failed_compile_is_not_cached(fake_nvcc, tmp_path):

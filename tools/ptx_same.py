@@ -76,7 +76,7 @@ def compile_ptx(table: dict, name: str, arch: str) -> str:
     inputs = {n: text.encode() for n, text in table["headers"].items()} | {"k.cu": table["units"][name].encode()}
     out, _ = build.nvcc_run(["-ptx", *table["flags"], "-arch", arch, "-diag-suppress", "128", "-o", "k.ptx", "k.cu"],
                             inputs, ["k.ptx"])
-    return out["k.ptx"].read_text()
+    return out["k.ptx"].decode()
 
 
 def instructions_differing(x: list[str], y: list[str]) -> int:
