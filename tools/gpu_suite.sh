@@ -39,10 +39,10 @@ if [[ $what == tests || $what == all ]]; then
          tests/test_gpu_nccl_symmetric.py tests/test_gpu_multirank.py tests/test_gpu_hardening.py tests/test_examples.py)
   if [[ ${ECHONCCL_DEV_INSTALLED:-} == 1 ]]; then
     # pytest from a scratch directory: only tools/ and tests/ of the checkout are on the path
-    (cd "$out" && "$PY" -m pytest -q -ra -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
+    (cd "$out" && "$PY" -m pytest -q -ra --durations=12 -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
         "${tests[@]/#/$root/}") || status=1
   else
-    "$PY" -m pytest -q -ra "${tests[@]}" || status=1
+    "$PY" -m pytest -q -ra --durations=12 "${tests[@]}" || status=1
   fi
   # On one GPU, under MPS (which no pytest process may hold the GPU beside), after pytest:
   # a rank a call ahead of a slow peer (tests/mpi/checks.py check_fused_skew) races only when the

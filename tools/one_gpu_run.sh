@@ -66,7 +66,7 @@ for name in solo odd_counts misaligned mps_proxy; do
   [[ -f $out/$name.txt ]] && { echo; echo "## $name"; awk '/^## P =|^# fused kernels/ {print; p = 1; rows = 0; next}
       /^# check/ {print; next} p && /^\|/ {print; rows = 1; next} p && rows && /^$/ {p = 0}' "$out/$name.txt"; }
 done
-[[ -f $out/suite.txt ]] && { echo; echo "## suite"; grep -E '(passed|failed|error|OK fused|FAILED)' "$out/suite.txt" | tail -n 8; }
+[[ -f $out/suite.txt ]] && { echo; echo "## suite"; grep -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) |OK fused' "$out/suite.txt" | tail -n 8; }
 for name in "${failed[@]}"; do echo; echo "## $name failed: the end of $out/$name.txt"; tail -n 6 "$out/$name.txt"; done
 echo
 echo "| run | status | s |"
