@@ -155,7 +155,7 @@ def test_the_tools_cuda_sources_compile(nvcc, tool, name):
         for case in itertools.product(mod.LAYOUTS, mod.WORKS, mod.STORES, mod.LOADS):
             assert mod.kernel_name(*case) in entries, case
     if tool == "stream_mix":
-        assert entries == ({p + s for p in mod.PHASES for s in mod.LOADS} | {p + "_shift" for p in mod.SHIFTED}
+        assert entries == ({p + s for p in mod.PHASES for s in mod.LOADS} | {p + x for p in mod.SHIFTED for x in mod.SHIFTS}
                            | {"copy_" + s for s in mod.SHAPES})
 
 

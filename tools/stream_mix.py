@@ -19,7 +19,9 @@ step, and again (``--bulk``) by bulk copies (``cp.async.bulk``, sm_90: one lane 
 the step's runs, completing on the warp's ``mbarrier``); every store is 16 bytes a lane, 512
 contiguous bytes an instruction, but (``--shift``) where the output lies one element off 16-byte
 alignment as the shifted twins store it (a run's whole words, then its bytes of the two words it
-shares with its neighbours by 2-byte stores). What a phase of the fused kernel takes beyond its
+shares with its neighbours by 2-byte stores), and two forms that tell where that costs: only every
+4th run's edge words in part (``_shift4``: as if the warps of a chunk passed each other their
+edges), and every word whole with the same 2-byte stores beside (``_shiftx``). What a phase of the fused kernel takes beyond its
 stream's time here is its instructions and its synchronization, not HBM.
 
     python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--shift] [--shapes]
@@ -43,6 +45,9 @@ PHASES = {
     "decode": (0, 0, 1, 512, 0),
 }
 SHIFTED = tuple(p for p, f in PHASES.items() if f[2])   # --shift: the phases that write the output
+# --shift's store forms (the kernel's OUT): as the shifted twins store (every run's two edge words
+# in part), only every 4th run's edges in part, every word whole beside the same 2-byte stores
+SHIFTS = {"_shift": 2, "_shift4": 3, "_shiftx": 4}
 
 SOURCE = CP16 + r"""
 // Bulk copies (sm_90): global to shared completing on an mbarrier (a warp's own, one arrival),
@@ -137,10 +142,14 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
         }
         if (RES) { res[64 * r + lane] = b; res[64 * r + lane + 32] = a; }
         if (OUT == 1) { out[64 * r + lane] = a; out[64 * r + lane + 32] = b; }
-        if (OUT == 2) {   // one element off alignment, stored as the shifted twins store a run
-            if (lane > 0) out[64 * r + lane] = a;
+        if (OUT >= 2) {   // one element off alignment, stored as the shifted twins store a run (OUT 2)
+            // OUT 3: only every 4th run's edge words in part (a chunk's, its warps' edges whole);
+            // OUT 4: every word whole, the 2-byte stores of OUT 2 as well (their instructions, no partial word)
+            const bool part = OUT == 2 || (OUT == 3 && r % 4 == 0);
+            if (lane > 0 || !part) out[64 * r + lane] = a;
             out[64 * r + lane + 32] = b;
-            if (lane >= 1 && lane <= 8)   // word 0's elements 1-7, word 64's element 0
+            const bool edge = OUT == 3 ? (lane < 8 ? r % 4 == 0 : r % 4 == 3) : OUT != 1;
+            if (lane >= 1 && lane <= 8 && edge)   // word 0's elements 1-7, word 64's element 0
                 reinterpret_cast<unsigned short*>(out + 64 * r + (lane < 8 ? 0 : 64))[lane & 7] = (unsigned short)a.x;
         }
         if (WOUT && lane < WOUT / 16) wout[(WOUT / 16) * r + lane] = x4(a, b);
@@ -238,8 +247,8 @@ __device__ __forceinline__ void copy_bulk(const uint4* __restrict__ x, uint4* __
 COPY_BULK(2, 1, 0, b) COPY_BULK(4, 1, 0, b) COPY_BULK(2, 2, 0, b)
 COPY_BULK(2, 1, 1, bs) COPY_BULK(4, 1, 1, bs) COPY_BULK(2, 2, 1, bs)
 """ + "".join(f"STREAMS({p}, {', '.join(map(str, f))})\n" for p, f in PHASES.items()) \
-  + "".join(f"STREAMS1({p}, _shift, {x}, {res}, 2, {win}, {wout}, 0)\n"
-            for p, (x, res, _, win, wout) in PHASES.items() if p in SHIFTED)
+  + "".join(f"STREAMS1({p}, {sfx}, {x}, {res}, {mode}, {win}, {wout}, 0)\n"
+            for p, (x, res, _, win, wout) in PHASES.items() if p in SHIFTED for sfx, mode in SHIFTS.items())
 SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4",
           "b2_r1", "b4_r1", "b2_r2", "bs2_r1", "bs4_r1", "bs2_r2")
 LOADS = ("", "_reg", "_bulk")   # the phases' streams: cp.async ring, registers, bulk copies
@@ -287,7 +296,7 @@ def main(argv=None) -> int:
         win, wout = cp.random.randint(0, 256, n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
         best: dict = {}
         loads = [s for s, on in zip(LOADS, (True, a.reg, a.bulk)) if on]
-        names = [p + s for s in loads for p in PHASES] + [p + "_shift" for p in SHIFTED if a.shift]
+        names = [p + s for s in loads for p in PHASES] + [p + x for p in SHIFTED for x in SHIFTS if a.shift]
         decoded = []      # each form's decode moves the same bytes: the same output
         for s in loads:
             out[:] = 0
