@@ -1,7 +1,10 @@
 """tools/launch.py, the one launcher: the environment it builds and the command it runs."""
 from __future__ import annotations
 
+import mmap
 import os
+
+import pytest
 
 import launch
 from launch import ROOT, TOOLS
@@ -41,3 +44,27 @@ def test_command_runs_mpi4py_and_forwards_variables_to_open_mpi(monkeypatch):
 
 def test_cli_usage_error():
     assert launch.main(["soak.py"]) == 2
+
+
+def test_segments_no_process_maps_are_removed(tmp_path):
+    (tmp_path / "mpich_shm_1_0").write_bytes(b"\0" * 4096)
+    (tmp_path / "mpich_shm_2_0").write_bytes(b"\0" * 4096)
+    (tmp_path / "mpich_shm_3_0").write_bytes(b"\0" * 4096)
+    (tmp_path / "other").write_bytes(b"x")
+    with open(tmp_path / "mpich_shm_2_0", "r+b") as f, mmap.mmap(f.fileno(), 4096):   # a live job's
+        removed = launch.remove_orphan_segments({"mpich_shm_3_0"}, shm=tmp_path)       # 3: not this job's
+    assert removed == [str(tmp_path / "mpich_shm_1_0")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_2_0", "mpich_shm_3_0", "other"]
+
+
+def test_a_job_whose_rank_dies_leaves_no_segment(tmp_path):
+    mpiexec = launch.find_mpiexec()
+    if mpiexec is None or launch.flavor(mpiexec) != "hydra" or not launch.SHM.is_dir():
+        pytest.skip("MPICH's segments in /dev/shm: needs the mpich launcher")
+    prog = tmp_path / "dies.py"
+    prog.write_text("import os\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+                    "if MPI.COMM_WORLD.rank == 1:\n    os._exit(3)\n")
+    before = launch.mpich_segments()
+    r = launch.run(2, [prog], abort_on_error=False, timeout=120)
+    assert r.returncode != 0
+    assert not launch.mpich_segments() - before, "the dead job's segment is still in /dev/shm"

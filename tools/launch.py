@@ -18,6 +18,9 @@ The launcher is ``$MPIEXEC`` if set, else the ``mpiexec`` beside this Python (th
 else the one on PATH. Open MPI gets ``--bind-to none`` and ``-x`` for every variable set here
 and every ``NCCL_*``/``ECHONCCL_*`` one (so they reach other nodes too).
 
+With MPICH, the shared-memory segments a job leaves in /dev/shm when its ranks die before
+MPI_Finalize are removed after it (`remove_orphan_segments`).
+
 Tests import it (``pythonpath = ["tools"]`` in pyproject.toml); tests/conftest.py turns a
 missing launcher into a skip and a timeout into a failure.
 """
@@ -28,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +122,59 @@ def run(n: int, args, *, extra_env: dict | None = None, clean: bool = False, lau
         raise FileNotFoundError("no mpiexec: set $MPIEXEC, pip install mpich, or install an MPI")
     env = environment(extra_env, clean=clean)
     cmd = command(n, args, env, mpiexec=mpiexec, launcher_args=launcher_args, abort_on_error=abort_on_error)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=capture, text=True, timeout=timeout)
+    before = mpich_segments() if flavor(mpiexec) == "hydra" else None
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=capture, text=True, timeout=timeout)
+    finally:
+        if before is not None:
+            remove_orphan_segments(before)
+
+
+# MPICH's shared-memory segments: MPI_Finalize unlinks them, so a job whose ranks die before it
+# (an abort, os._exit, a kill: the fault tests) leaves 2-3 MB of RAM each in /dev/shm.
+SHM, SHM_PREFIX = Path("/dev/shm"), "mpich_shm_"
+
+
+def mpich_segments(shm: Path = SHM) -> set[str]:
+    """The names of the MPICH segments in ``shm`` that this user owns."""
+    try:
+        entries = list(os.scandir(shm))
+    except OSError:
+        return set()
+    uid = os.getuid()
+    return {e.name for e in entries if e.name.startswith(SHM_PREFIX) and e.stat().st_uid == uid}
+
+
+def _unmapped(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that no process this user can see maps (``/proc/PID/maps``)."""
+    left = set(paths)
+    for pid in os.listdir("/proc"):
+        if not left:
+            break
+        if pid.isdigit():
+            try:
+                text = Path("/proc", pid, "maps").read_text()
+            except OSError:
+                continue
+            left = {p for p in left if p not in text}
+    return left
+
+
+def remove_orphan_segments(before: set[str], shm: Path = SHM) -> list[str]:
+    """Remove the MPICH segments of ``shm`` not in ``before`` (those a job made) that no process
+    maps, checked twice 0.2 s apart (a job starting beside it maps its own at once); returns
+    their paths."""
+    new = {str(shm / name) for name in mpich_segments(shm) - before}
+    orphans = _unmapped(new)
+    if orphans:
+        time.sleep(0.2)
+        orphans = _unmapped(orphans)
+    for p in orphans:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    return sorted(orphans)
 
 
 def main(argv=None) -> int:
