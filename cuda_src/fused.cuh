@@ -92,7 +92,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
 
     for (;;) {
         const long long item = next_item(ctl, &s_item);
-        if (item >= 2 * n1 + T_ || !s_ok) break;
+        if (item >= 2 * n1 + T_) break;
         if (item < n1) {
             // 1. contribution to peer s's slice, tile j
             const i64 j = item / (P - 1);
@@ -171,7 +171,7 @@ __device__ __forceinline__ void fused_one_shot_q_body(const T* x, i64 x_n, T* ou
 
     for (;;) {
         const long long item = next_item(ctl, &s_item);
-        if (item >= 2 * n1 || !s_ok) break;
+        if (item >= 2 * n1) break;
         const i64 k = item < n1 ? item : item - n1;
         const i64 j = k / P;
         const int v = (int)(k % P);

@@ -31,7 +31,7 @@ __device__ __forceinline__ void one_shot_body(const T* x, T* out, i64 count, int
     const i64 n1 = T_, n2 = T_;
     for (;;) {
         const long long item = next_item(ctl, &s_item);
-        if (item >= n1 + n2 || !s_ok) break;
+        if (item >= n1 + n2) break;
         if (item < n1) {
             // push tile j to every peer; a local flag says this rank has read x's tile j
             const i64 j = item;

@@ -81,7 +81,10 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
 }
 
 // The start of a ticketed call, every thread: this call's epoch (the last finished call's + 1,
-// the same on every rank, which makes the same calls) and wait deadline; *ok set to 1.
+// the same on every rank, which makes the same calls) and wait deadline; *ok set to 1. A failed
+// wait clears *ok, and the block reads it only after the barrier that follows the wait, then
+// leaves its item loop: read at an item's start too, a thread late to read it could see the
+// clearing of that item's wait and leave at another barrier than its block (which then hangs).
 struct CallStart {
     unsigned int epoch;
     u64 deadline;

@@ -82,9 +82,9 @@ def _build(headers: Path, name: str, sanitize: bool) -> Path:
     return _built[key]
 
 
-def _run(exe: Path, *args, status: int = 0) -> str:
-    env = dict(os.environ, TSAN_OPTIONS=f"suppressions={HOST / 'tsan.supp'}")
-    run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+def _run(exe: Path, *args, status: int = 0, env=None, timeout: float = 300) -> str:
+    env = dict(os.environ, TSAN_OPTIONS=f"suppressions={HOST / 'tsan.supp'}", **(env or {}))
+    run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-4000:]
     assert run.returncode == status, run.stdout[-4000:] + run.stderr[-2000:]
     return run.stdout
@@ -281,11 +281,14 @@ def test_fused_one_shot_matches_the_float32_sum(fused_exe, tmp_path, kind, n, of
 def test_a_fused_kernel_gives_up_on_a_peer_that_never_comes(fused_exe, tmp_path, kind):
     """Two ranks, the second making no call: the first's kernels stop waiting after their timeout
     (0.3 s in fused_check.cpp) and set `Ctl.error` (which the host turns into PeerTimeoutError),
-    in both calls, instead of spinning on."""
+    in both calls, instead of spinning on; every thread of a block leaves its item loop at the
+    same barrier, with one thread of each block late after every barrier (a block whose threads
+    left at different ones would hang: the timeout)."""
     P, calls = 2, 2
     n = {"one_shot": 4 * 8192, "one_shot_ll": 1000}.get(kind, P * 8 * kt.BLOCK * 8)
     S, tiles, max_tiles, region_bytes = _region(tmp_path, kind, P, n)
     _inputs(tmp_path, P, n, calls)
-    out = _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 0, calls, 0, region_bytes, status=1)
+    out = _run(fused_exe, tmp_path, kind, P, n, S, tiles, max_tiles, 2, 0, calls, 0, region_bytes, status=1,
+               env={"ECHO_HOST_LATE_THREAD": str(kt.BLOCK - 1)}, timeout=120)
     assert "rank 0: a wait timed out" in out, out
     assert "rank 1: a wait timed out" not in out, out

@@ -6,7 +6,7 @@
 // the ticket and epoch at a call's end, several blocks and calls, ranks out of step (the last rank
 // starts each call late, with LAST_BLOCKS blocks where the others have BLOCKS), and a peer that
 // never comes (LAST_BLOCKS 0: the last rank makes no call, and the others' waits give up after
-// kAbsentTimeoutNs).
+// kAbsentTimeoutNs). ECHO_HOST_LATE_THREAD=T: thread T of every block lingers after each barrier.
 //
 //   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET REGION_BYTES
 //
@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
               calls = std::atoi(argv[10]);
     const i64 count = std::atoll(argv[4]), S = std::atoll(argv[5]), tiles = std::atoll(argv[6]),
               max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[11]), region_bytes = std::atoll(argv[12]);
+    if (const char* late = std::getenv("ECHO_HOST_LATE_THREAD")) g_late_thread = std::atoi(late);
     RunFn fn = nullptr;
     bool ticketed = true;   // false: the low-latency one-shot (its blocks' own epochs, no ticket)
     for (const auto& k : kKernels)

@@ -45,7 +45,14 @@ inline thread_local std::barrier<>* t_warp_barrier = nullptr;
 inline thread_local std::barrier<>* t_block_barrier = nullptr;
 inline thread_local unsigned* t_shfl_slots = nullptr;
 inline void __syncwarp(unsigned = 0xffffffffu) { t_warp_barrier->arrive_and_wait(); }
-inline void __syncthreads() { t_block_barrier->arrive_and_wait(); }
+// g_late_thread (fused_check's ECHO_HOST_LATE_THREAD): the thread of that index lingers 20 ms after
+// each block barrier, as a warp the GPU runs late would: a read of what another thread writes
+// after the same barrier, unordered by the next one, then sees the later value.
+inline int g_late_thread = -1;
+inline void __syncthreads() {
+    t_block_barrier->arrive_and_wait();
+    if ((int)threadIdx.x == g_late_thread) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
