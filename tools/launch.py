@@ -141,8 +141,14 @@ def mpich_segments(shm: Path = SHM) -> set[str]:
         entries = list(os.scandir(shm))
     except OSError:
         return set()
-    uid = os.getuid()
-    return {e.name for e in entries if e.name.startswith(SHM_PREFIX) and e.stat().st_uid == uid}
+    names = set()
+    for e in entries:
+        try:   # (another job's MPI_Finalize may unlink it meanwhile)
+            if e.name.startswith(SHM_PREFIX) and e.stat().st_uid == os.getuid():
+                names.add(e.name)
+        except OSError:
+            pass
+    return names
 
 
 def _unmapped(paths: set[str]) -> set[str]:
