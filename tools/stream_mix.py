@@ -148,7 +148,7 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
             const bool part = OUT == 2 || (OUT == 3 && r % 4 == 0);
             if (lane > 0 || !part) out[64 * r + lane] = a;
             out[64 * r + lane + 32] = b;
-            const bool edge = OUT == 3 ? (lane < 8 ? r % 4 == 0 : r % 4 == 3) : OUT != 1;
+            const bool edge = OUT != 3 || (lane < 8 ? r % 4 == 0 : r % 4 == 3);
             if (lane >= 1 && lane <= 8 && edge)   // word 0's elements 1-7, word 64's element 0
                 reinterpret_cast<unsigned short*>(out + 64 * r + (lane < 8 ? 0 : 64))[lane & 7] = (unsigned short)a.x;
         }
