@@ -132,10 +132,9 @@ def test_argument_error_on_one_rank_times_out_the_others(n):
     assert res.returncode == UNFINALIZED_EXIT, res.stdout + res.stderr
     assert "RANK 1 known signature: ValueError at once; new signature: TypeError at once" in res.stdout
     for r in range(n):
-        if r != 1:   # the timeout is 2 s; how late it may come on a busy machine: the check's LATE
-            m = re.search(rf"RANK {r} known signature: PeerTimeoutError after ([\d.]+) s; "
-                          rf"new signature: PeerTimeoutError after ([\d.]+) s", res.stdout)
-            assert m and all(1.9 <= float(dt) <= 4.0 for dt in m.groups()), res.stdout
+        if r != 1:   # the delay's bounds (timeout .. timeout + LATE) are the check's own assertion
+            assert re.search(rf"RANK {r} known signature: PeerTimeoutError after [\d.]+ s; "
+                             rf"new signature: PeerTimeoutError after [\d.]+ s", res.stdout), res.stdout
     assert time.monotonic() - t0 < 20
 
 
