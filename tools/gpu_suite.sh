@@ -46,12 +46,14 @@ if [[ $what == tests || $what == all ]]; then
   fi
   # On one GPU, under MPS (which no pytest process may hold the GPU beside), after pytest:
   # a rank a call ahead of a slow peer (tests/mpi/checks.py check_fused_skew) races only when the
-  # ranks' kernels run at once; and eight ranks' fused kernels against the reference (pytest's
-  # test_gpu_single skips them on one GPU: taking turns, they wait a time slice for each flag).
+  # ranks' kernels run at once; and four and eight ranks' fused kernels against the reference
+  # (pytest's test_gpu_single skips them on one GPU: taking turns, they wait a time slice a flag).
   if [[ $("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())') -lt 2 ]]; then
     timeout 120 bash "$root/tools/with_mps.sh" $LAUNCH "$root/tests/mpi/checks.py" fused_skew gpu || status=1
-    timeout 300 bash "$root/tools/with_mps.sh" "$PY" "$root/tools/launch.py" -n 8 "$root/tests/mpi/checks.py" \
-        fused_reference gpu || status=1
+    for n in 4 8; do
+      timeout 300 bash "$root/tools/with_mps.sh" "$PY" "$root/tools/launch.py" -n $n "$root/tests/mpi/checks.py" \
+          fused_reference gpu || status=1
+    done
   fi
 fi
 if [[ $what == kernels || $what == all ]]; then
