@@ -4,10 +4,12 @@
 device, loading it the first time it is asked for in this process:
 
 1. **Prebuilt**: ``prebuilt/kernels.fatbin`` of the package (the wheel carries it; in a checkout
-   ``make kernels`` writes it), if its ``manifest.json`` lists the kernel and was built from the
-   sources beside it (`kernel_table.fingerprint`). A fatbin that does not load on this GPU or
-   driver (another architecture, a driver older than the toolkit that built it) is set aside with
-   one line on stderr.
+   ``make kernels`` writes it), or of the folder ``ECHONCCL_KERNEL_DIR`` names (``python -m
+   echonccl.build --out DIR``, e.g. for another GPU architecture or every kernel of the table),
+   if its ``manifest.json`` lists the kernel and was built from the sources beside it
+   (`kernel_table.fingerprint`). A folder without them, a stale one, or a fatbin that does not
+   load on this GPU or driver (another architecture, a driver older than the toolkit that built
+   it) is set aside with one line on stderr.
 2. **On demand**: that one kernel's source (`kernel_table.source`) compiled by NVRTC through
    ``cupy.RawModule``, which keeps the result in CuPy's kernel cache (``CUPY_CACHE_DIR``). A lock
    file in ``ECHONCCL_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/echonccl``, ``~/.cache/echonccl``)
@@ -66,13 +68,25 @@ def _node_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-class KernelLoader:
-    """Kernels by name for this process (see the module docstring); ``prebuilt_dir`` None: none."""
+def prebuilt_dir() -> Path:
+    """The prebuilt folder a process loads: ``ECHONCCL_KERNEL_DIR`` if set, else the package's."""
+    d = settings.get("ECHONCCL_KERNEL_DIR")
+    return Path(d) if d else PREBUILT_DIR
 
-    def __init__(self, prebuilt_dir: Path | None = PREBUILT_DIR):
+
+class _FromSetting:
+    """`KernelLoader`'s default folder: `prebuilt_dir()`, read when the first kernel is looked up."""
+
+
+class KernelLoader:
+    """Kernels by name for this process (see the module docstring). ``prebuilt_dir``: a prebuilt
+    folder; None: none; left out: `prebuilt_dir()`, read when the first kernel is looked up."""
+
+    def __init__(self, prebuilt_dir: Path | None | _FromSetting = _FromSetting()):
         self._lock = threading.Lock()
         self._functions: dict = {}
-        self._prebuilt_dir = prebuilt_dir
+        self._prebuilt_arg = prebuilt_dir
+        self._prebuilt_dir: Path | None = None      # the folder, once `_read_manifest` resolved it
         self._manifest: dict | None = None
         self._module = None          # the prebuilt RawModule, once loaded
         self._checked = False
@@ -105,8 +119,12 @@ class KernelLoader:
         return self._manifest
 
     def _read_manifest(self) -> dict | None:
-        d = self._prebuilt_dir
+        arg = self._prebuilt_arg
+        d = self._prebuilt_dir = prebuilt_dir() if isinstance(arg, _FromSetting) else arg
+        chosen = isinstance(arg, _FromSetting) and d != PREBUILT_DIR     # named by the setting
         if d is None or not (d / MANIFEST).is_file() or not (d / FATBIN).is_file():
+            if chosen:
+                _log(f"ECHONCCL_KERNEL_DIR={d} holds no {FATBIN} and {MANIFEST}: compiling on demand")
             return None
         try:
             m = json.loads((d / MANIFEST).read_text())

@@ -155,6 +155,24 @@ def test_a_stale_or_broken_manifest_is_set_aside_with_one_line(tmp_path, capsys)
     assert kernel_loader.KernelLoader(None).prebuilt_names() == []
 
 
+def test_the_prebuilt_folder_follows_the_setting_read_at_the_first_lookup(monkeypatch, tmp_path, capsys):
+    d = _prebuilt(tmp_path, kt.PREBUILT[:3])
+    monkeypatch.delenv("ECHONCCL_KERNEL_DIR", raising=False)
+    loader = kernel_loader.KernelLoader()
+    monkeypatch.setenv("ECHONCCL_KERNEL_DIR", str(d))       # set after the loader is made: still read
+    assert loader.prebuilt_names() == [k.name for k in kt.PREBUILT[:3]]
+    monkeypatch.delenv("ECHONCCL_KERNEL_DIR")               # read once: a process keeps its folder
+    assert loader.prebuilt_names() == [k.name for k in kt.PREBUILT[:3]]
+    assert kernel_loader.prebuilt_dir() == kernel_loader.PREBUILT_DIR
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("ECHONCCL_KERNEL_DIR", str(tmp_path / "missing"))
+    assert kernel_loader.KernelLoader().prebuilt_names() == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"ECHONCCL_KERNEL_DIR={tmp_path / 'missing'}" in err and "on demand" in err
+    assert kernel_loader.KernelLoader(None).prebuilt_names() == []     # an explicit folder beats the setting
+    assert kernel_loader.KernelLoader(d).prebuilt_names() == [k.name for k in kt.PREBUILT[:3]]
+
+
 def test_cache_dir_follows_the_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("ECHONCCL_KERNEL_CACHE", str(tmp_path / "k"))
     assert kernel_loader.cache_dir() == tmp_path / "k"

@@ -13,9 +13,10 @@
 # Each run writes OUTDIR/NAME.txt under a time limit. At the end: the time tables the runs printed,
 # the last lines of any run that failed, then a line a run with its status and seconds. Exit status
 # 1 if any run failed. echonccl comes from this checkout, with its prebuilt kernels where built
-# (python -m echonccl.build --arch sm_90; without them each kernel is compiled on first use; with
-# --all every kernel of the table, and the tests part compiles none: 274 s against 535 on an H100,
-# but its kernels' SASS is not the default build's, so time the default build). Needs
+# (python -m echonccl.build --arch sm_90, or the folder ECHONCCL_KERNEL_DIR names; without them
+# each kernel is compiled on first use). For the tests part, a build of every kernel of the table
+# (python -m echonccl.build --all --arch sm_90 --out DIR; ECHONCCL_KERNEL_DIR=DIR) compiles none:
+# 274 s against 535 on an H100; its kernels' SASS is not the default build's, so time that. Needs
 # what gpu_suite.sh needs. BASELINE=DIR (a prebuilt folder built at another commit): the corners'
 # misaligned run also times the general kernel as that build left it (fused_solo.py --baseline).
 set -uo pipefail
