@@ -8,7 +8,7 @@
 // never comes (LAST_BLOCKS 0: the last rank makes no call, and the others' waits give up after
 // kAbsentTimeoutNs). ECHO_HOST_LATE_THREAD=T: thread T of every block lingers after each barrier.
 //
-//   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET REGION_BYTES
+//   fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET REGION_BYTES RES_IN RES_OUT
 //
 // DIR/kernels.h (written by tests/test_cuda_host.py from echonccl/kernel_table.py): the kernels'
 // ECHO_*_KERNEL lines, and kKernels: a name, a function that runs that kernel's block with a Call's
@@ -16,10 +16,12 @@
 // one of its names; kLlBlocks, the low-latency one-shot's most blocks (peer_memory.LL_BLOCKS). TILES: a slice's tiles (the tiled one-shot: threads a tile; the low-latency
 // one: lines a slot); MAX_TILES: the flags a slot of the region holds. DIR/table_R.bin: rank R's
 // PeerTable (echonccl/peer_memory.py's peer_table) with addresses as offsets into the shared
-// memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT bf16 inputs to call C,
-// put OFFSET elements past a 256-byte boundary, as is its output. Writes DIR/out_R_C.bin,
-// DIR/res_in_R.bin and DIR/res_out_R.bin (the residuals after the last call, where the kernel has
-// them); prints "ok", or what failed (exit status 1). Built and run by tests/test_cuda_host.py.
+// memory, rank R's region at R * REGION_BYTES. DIR/x_R_C.bin: rank R's COUNT 16-bit inputs to call
+// C (the kernel's type), put OFFSET elements past a 256-byte boundary, as is its output.
+// DIR/res0_in_R.bin and DIR/res0_out_R.bin: rank R's residuals before the first call, RES_IN and
+// RES_OUT bytes (0: none; the kernel's residual format). Writes DIR/out_R_C.bin, DIR/res_in_R.bin
+// and DIR/res_out_R.bin (the residuals after the last call); prints "ok", or what failed (exit
+// status 1). Built and run by tests/test_cuda_host.py.
 #include "warp_host.h"
 
 #include <sys/mman.h>
@@ -31,12 +33,19 @@
 
 #include "fused.cuh"
 
+// A buffer, passed to a kernel as whatever pointer type it takes (its data and residual types).
+struct Ptr {
+    void* p;
+    template <class T>
+    operator T*() const { return static_cast<T*>(p); }
+};
+
 // One rank's call of a fused kernel: what kernels.h's functions pass on, each in its kernel's order.
 struct Call {
-    const echo::bf16* x;
+    Ptr x;
     echo::i64 count;
-    echo::bf16* out;
-    echo::bf16 *res_in, *res_out;
+    Ptr out;
+    Ptr res_in, res_out;
     echo::i64 S, rank, P, tiles, max_tiles;
     const echo::PeerTable* table;
     unsigned int* block_epochs;   // the low-latency one-shot's, a rank's
@@ -46,7 +55,6 @@ struct Call {
 
 #include "kernels.h"
 
-using echo::bf16;
 using echo::i64;
 
 constexpr int kTableWords = 7 * echo::kMaxRanks + 1;   // peer_memory.peer_table's words
@@ -76,9 +84,9 @@ static bool wait_all(const std::vector<pid_t>& pids) {
 }
 
 int main(int argc, char** argv) {
-    if (argc != 13) {
+    if (argc != 15) {
         std::fprintf(stderr, "usage: fused_check DIR KERNEL P COUNT S TILES MAX_TILES BLOCKS LAST_BLOCKS CALLS OFFSET "
-                             "REGION_BYTES\n");
+                             "REGION_BYTES RES_IN RES_OUT\n");
         return 2;
     }
     g_dir = argv[1];
@@ -86,7 +94,8 @@ int main(int argc, char** argv) {
     const int P = std::atoi(argv[3]), blocks = std::atoi(argv[8]), last_blocks = std::atoi(argv[9]),
               calls = std::atoi(argv[10]);
     const i64 count = std::atoll(argv[4]), S = std::atoll(argv[5]), tiles = std::atoll(argv[6]),
-              max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[11]), region_bytes = std::atoll(argv[12]);
+              max_tiles = std::atoll(argv[7]), offset = std::atoll(argv[11]), region_bytes = std::atoll(argv[12]),
+              res_in_bytes = std::atoll(argv[13]), res_out_bytes = std::atoll(argv[14]);
     if (const char* late = std::getenv("ECHO_HOST_LATE_THREAD")) g_late_thread = std::atoi(late);
     RunFn fn = nullptr;
     bool ticketed = true;   // false: the low-latency one-shot (its blocks' own epochs, no ticket)
@@ -96,7 +105,7 @@ int main(int argc, char** argv) {
 
     // Shared memory: the regions, then each rank's table, residuals, and per call its input and output.
     auto round_up = [](i64 n) { return (n + 255) / 256 * 256; };
-    const i64 vec = round_up((count + offset) * 2), res_in = round_up(P * S * 2), res_out = round_up(S * 2);
+    const i64 vec = round_up((count + offset) * 2), res_in = round_up(res_in_bytes), res_out = round_up(res_out_bytes);
     const i64 epochs = round_up(kLlBlocks * 4);
     const i64 per_rank = round_up(kTableWords * 8) + epochs + res_in + res_out + 2 * calls * vec;
     const i64 bytes = P * region_bytes + P * per_rank;
@@ -107,8 +116,8 @@ int main(int argc, char** argv) {
         echo::Ctl* ctl;
         echo::PeerTable* table;
         unsigned int* block_epochs;
-        bf16 *res_in, *res_out;
-        std::vector<bf16*> x, out;
+        unsigned char *res_in, *res_out;
+        std::vector<unsigned char*> x, out;
     };
     std::vector<Rank> ranks(P);
     for (int r = 0; r < P; ++r) {
@@ -122,11 +131,13 @@ int main(int argc, char** argv) {
         k.table = reinterpret_cast<echo::PeerTable*>(p);
         p += round_up(kTableWords * 8);
         k.block_epochs = reinterpret_cast<unsigned int*>(p), p += epochs;
-        k.res_in = reinterpret_cast<bf16*>(p), p += res_in;
-        k.res_out = reinterpret_cast<bf16*>(p), p += res_out;
+        k.res_in = p, p += res_in;
+        k.res_out = p, p += res_out;
+        if (res_in_bytes) read_file("res0_in_" + std::to_string(r) + ".bin", k.res_in, res_in_bytes);
+        if (res_out_bytes) read_file("res0_out_" + std::to_string(r) + ".bin", k.res_out, res_out_bytes);
         for (int c = 0; c < calls; ++c) {
-            k.x.push_back(reinterpret_cast<bf16*>(p) + offset), p += vec;
-            k.out.push_back(reinterpret_cast<bf16*>(p) + offset), p += vec;
+            k.x.push_back(p + offset * 2), p += vec;
+            k.out.push_back(p + offset * 2), p += vec;
             read_file("x_" + std::to_string(r) + "_" + std::to_string(c) + ".bin", k.x[c], count * 2);
         }
     }
@@ -150,7 +161,7 @@ int main(int argc, char** argv) {
                 blockIdx.x = (unsigned)b;
                 gridDim.x = (unsigned)grid;
                 run_block_at_once([&] {
-                    fn(Call{k.x[c], count, k.out[c], k.res_in, k.res_out, S, r, P, tiles, max_tiles, k.table,
+                    fn(Call{{k.x[c]}, count, {k.out[c]}, {k.res_in}, {k.res_out}, S, r, P, tiles, max_tiles, k.table,
                             k.block_epochs, k.ctl, last_blocks ? kTimeoutNs : kAbsentTimeoutNs});
                 });
                 _exit(0);
@@ -173,8 +184,8 @@ int main(int argc, char** argv) {
                 std::printf("rank %d: block %d's epoch %u after %d calls\n", r, b, k.block_epochs[b], calls), ++failed;
         for (int c = 0; c < calls; ++c)
             write_file("out_" + std::to_string(r) + "_" + std::to_string(c) + ".bin", k.out[c], count * 2);
-        write_file("res_in_" + std::to_string(r) + ".bin", k.res_in, P * S * 2);
-        write_file("res_out_" + std::to_string(r) + ".bin", k.res_out, S * 2);
+        write_file("res_in_" + std::to_string(r) + ".bin", k.res_in, res_in_bytes);
+        write_file("res_out_" + std::to_string(r) + ".bin", k.res_out, res_out_bytes);
     }
     if (!ok) std::printf("a rank or block process failed\n"), ++failed;
     if (!failed) std::printf("ok\n");
