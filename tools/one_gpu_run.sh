@@ -16,7 +16,7 @@
 # (python -m echonccl.build --arch sm_90, or the folder ECHONCCL_KERNEL_DIR names; without them
 # each kernel is compiled on first use). For the tests part, a build of every kernel of the table
 # (python -m echonccl.build --all --arch sm_90 --out DIR; ECHONCCL_KERNEL_DIR=DIR) compiles none:
-# 274 s against 535 on an H100; its kernels' SASS is not the default build's, so time that. Needs
+# 274 s against 535 on an H100; its kernels' SASS is not the default build's: time the default. Needs
 # what gpu_suite.sh needs. BASELINE=DIR (a prebuilt folder built at another commit): the corners'
 # misaligned run also times the general kernel as that build left it (fused_solo.py --baseline).
 set -uo pipefail
