@@ -141,10 +141,10 @@ def mpich_segments(shm: Path = SHM) -> set[str]:
         entries = list(os.scandir(shm))
     except OSError:
         return set()
-    names = set()
+    uid, names = os.getuid(), set()
     for e in entries:
         try:   # (another job's MPI_Finalize may unlink it meanwhile)
-            if e.name.startswith(SHM_PREFIX) and e.stat().st_uid == os.getuid():
+            if e.name.startswith(SHM_PREFIX) and e.stat().st_uid == uid:
                 names.add(e.name)
         except OSError:
             pass
