@@ -16,7 +16,9 @@ data and residuals (docs/notes/fused.md, "The byte floor"):
 Every read comes through shared memory by ``cp.async`` a step ahead (input and residual as in the
 fused loops' ``g_ring``, the wire as the decode's copies), again (``--reg``) into registers at its
 step, and again (``--bulk``) by bulk copies (``cp.async.bulk``, sm_90: one lane of a warp issues
-the step's runs, completing on the warp's ``mbarrier``); every store is 16 bytes a lane, 512
+the step's runs, completing on the warp's ``mbarrier``), and (``--hints``) by the ring's copies
+with an L2 prefetch hint (``.L2::256B``), then with every store streaming (``st.global.cs``) as
+well; every store is 16 bytes a lane, 512
 contiguous bytes an instruction, but (``--shift``) where the output lies one element off 16-byte
 alignment as the shifted twins store it (a run's whole words, then its bytes of the two words it
 shares with its neighbours by 2-byte stores), and two forms that tell where that costs: only every
@@ -24,7 +26,7 @@ shares with its neighbours by 2-byte stores), and two forms that tell where that
 edges), and every word whole with the same 2-byte stores beside (``_shiftx``). What a phase of the fused kernel takes beyond its
 stream's time here is its instructions and its synchronization, not HBM.
 
-    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--shift] [--shapes]
+    python tools/stream_mix.py [--elems 2**28 2**26] [--iters 20] [--reps 3] [--grid N] [--reg] [--bulk] [--hints] [--shift] [--shapes]
 
 2^28 elements: a phase of a 1 GiB all-reduce at P = 2 (each rank's slice).
 """
@@ -84,16 +86,29 @@ __device__ __forceinline__ void reads_done() {
 
 __device__ __forceinline__ uint4 x4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
 
+// The ring's copies with an L2 prefetch of 256 bytes (the sector group beside the 16 bytes asked).
+__device__ __forceinline__ void cp16_l2(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(sh(dst)), "l"(src) : "memory");
+}
+// A 16-byte store, streaming (.cs: evict first) where CS.
+template <int CS>
+__device__ __forceinline__ void st16(uint4* p, uint4 v) {
+    if (CS) asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    else *p = v;
+}
+
 // n512: runs of 512 elements (1 KiB of 16-bit data). A warp's step is one run: lane l moves the
 // run's 16-byte chunks l and l + 32 of each 16-bit stream, and chunk l of a wire run (WIN, WOUT
 // bytes a run, lanes l < bytes / 16). LOAD 0: the cp.async ring; 1: every read into registers at
-// its step (no ring); 2: the ring filled by lane 0's bulk copies.
+// its step (no ring); 2: the ring filled by lane 0's bulk copies; 3: the ring with the L2
+// prefetch hint (cp16_l2); 4: that, and every store streaming (.cs).
 template <int X, int RES, int OUT, int WIN, int WOUT, int LOAD>
 __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __restrict__ res, uint4* __restrict__ out,
                                         const uint4* __restrict__ win, uint4* __restrict__ wout, long long n512) {
     __shared__ __align__(128) uint4 ring[2][8][160];   // a warp's input (0-63), residual (64-127), wire (128-159)
     __shared__ u64 bar[2][8];
-    constexpr int REG = LOAD == 1;
+    constexpr int REG = LOAD == 1, CS = LOAD == 4;
+    auto cp = [](void* d, const void* src) { if (LOAD >= 3) cp16_l2(d, src); else cp16(d, src); };
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     long long r = (long long)blockIdx.x * (blockDim.x >> 5) + wp;
@@ -109,14 +124,14 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
         }
         if (v < n512) {
             if (X) {
-                cp16(&ring[k][wp][lane], x + 64 * v + lane);
-                cp16(&ring[k][wp][lane + 32], x + 64 * v + lane + 32);
+                cp(&ring[k][wp][lane], x + 64 * v + lane);
+                cp(&ring[k][wp][lane + 32], x + 64 * v + lane + 32);
             }
             if (RES) {
-                cp16(&ring[k][wp][64 + lane], res + 64 * v + lane);
-                cp16(&ring[k][wp][96 + lane], res + 64 * v + lane + 32);
+                cp(&ring[k][wp][64 + lane], res + 64 * v + lane);
+                cp(&ring[k][wp][96 + lane], res + 64 * v + lane + 32);
             }
-            if (WIN && lane < WIN / 16) cp16(&ring[k][wp][128 + lane], win + (WIN / 16) * v + lane);
+            if (WIN && lane < WIN / 16) cp(&ring[k][wp][128 + lane], win + (WIN / 16) * v + lane);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -140,8 +155,8 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
             if (RES) { a = x4(a, ring[k][wp][64 + lane]); b = x4(b, ring[k][wp][96 + lane]); }
             if (WIN && lane < WIN / 16) a = x4(a, ring[k][wp][128 + lane]);
         }
-        if (RES) { res[64 * r + lane] = b; res[64 * r + lane + 32] = a; }
-        if (OUT == 1) { out[64 * r + lane] = a; out[64 * r + lane + 32] = b; }
+        if (RES) { st16<CS>(res + 64 * r + lane, b); st16<CS>(res + 64 * r + lane + 32, a); }
+        if (OUT == 1) { st16<CS>(out + 64 * r + lane, a); st16<CS>(out + 64 * r + lane + 32, b); }
         if (OUT >= 2) {   // one element off alignment, stored as the shifted twins store a run (OUT 2)
             // OUT 3: only every 4th run's edge words in part (a chunk's, its warps' edges whole);
             // OUT 4: every word whole, the 2-byte stores of OUT 2 as well (their instructions, no partial word)
@@ -152,7 +167,7 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
             if (lane >= 1 && lane <= 8 && edge)   // word 0's elements 1-7, word 64's element 0
                 reinterpret_cast<unsigned short*>(out + 64 * r + (lane < 8 ? 0 : 64))[lane & 7] = (unsigned short)a.x;
         }
-        if (WOUT && lane < WOUT / 16) wout[(WOUT / 16) * r + lane] = x4(a, b);
+        if (WOUT && lane < WOUT / 16) st16<CS>(wout + (WOUT / 16) * r + lane, x4(a, b));
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
@@ -160,7 +175,8 @@ __device__ __forceinline__ void streams(const uint4* __restrict__ x, uint4* __re
     NAME##SUFFIX(const uint4* x, uint4* res, uint4* out, const uint4* win, uint4* wout, long long n512) { \
         streams<X, RES, OUT, WIN, WOUT, LOAD>(x, res, out, win, wout, n512); }
 #define STREAMS(NAME, X, RES, OUT, WIN, WOUT) STREAMS1(NAME, , X, RES, OUT, WIN, WOUT, 0) \
-    STREAMS1(NAME, _reg, X, RES, OUT, WIN, WOUT, 1) STREAMS1(NAME, _bulk, X, RES, OUT, WIN, WOUT, 2)
+    STREAMS1(NAME, _reg, X, RES, OUT, WIN, WOUT, 1) STREAMS1(NAME, _bulk, X, RES, OUT, WIN, WOUT, 2) \
+    STREAMS1(NAME, _l2, X, RES, OUT, WIN, WOUT, 3) STREAMS1(NAME, _l2cs, X, RES, OUT, WIN, WOUT, 4)
 
 // Copy shapes (--shapes): a warp's step RUNS consecutive KiB through a ring DEPTH steps deep
 // (cp.async), or (DEPTH 0) RUNS KiB loaded into registers (2 RUNS 16-byte loads a lane in flight).
@@ -251,7 +267,8 @@ COPY_BULK(2, 1, 1, bs) COPY_BULK(4, 1, 1, bs) COPY_BULK(2, 2, 1, bs)
             for p, (x, res, _, win, wout) in PHASES.items() if p in SHIFTED for sfx, mode in SHIFTS.items())
 SHAPES = ("d2_r1", "d3_r1", "d4_r1", "d2_r2", "d3_r2", "d0_r1", "d0_r2", "d0_r4",
           "b2_r1", "b4_r1", "b2_r2", "bs2_r1", "bs4_r1", "bs2_r2")
-LOADS = ("", "_reg", "_bulk")   # the phases' streams: cp.async ring, registers, bulk copies
+LOADS = ("", "_reg", "_bulk", "_l2", "_l2cs")   # the phases' streams: cp.async ring, registers, bulk
+# copies, the ring with an L2 prefetch hint, and with streaming stores too
 GRIDS = (1, 2, 3, 4, 8)   # blocks a SM
 
 
@@ -270,6 +287,8 @@ def main(argv=None) -> int:
                    help="blocks of the phases' streams (default 3 a SM)")
     p.add_argument("--reg", action="store_true", help="also each phase's streams with register loads (no ring)")
     p.add_argument("--bulk", action="store_true", help="also each phase's streams with the ring filled by bulk copies")
+    p.add_argument("--hints", action="store_true",
+                   help="also each phase's streams with the ring's L2 prefetch hint (256 B), and with streaming stores too")
     p.add_argument("--shift", action="store_true",
                    help="also the phases that write the output with it one element off 16-byte alignment")
     p.add_argument("--shapes", action="store_true",
@@ -295,7 +314,7 @@ def main(argv=None) -> int:
         x, res, out = (cp.random.randint(0, 256, 2 * elems + 16, dtype=cp.uint8) for _ in range(3))
         win, wout = cp.random.randint(0, 256, n512 * 512, dtype=cp.uint8), cp.empty(n512 * 512, dtype=cp.uint8)
         best: dict = {}
-        loads = [s for s, on in zip(LOADS, (True, a.reg, a.bulk)) if on]
+        loads = [s for s, on in zip(LOADS, (True, a.reg, a.bulk, a.hints, a.hints)) if on]
         names = [p + s for s in loads for p in PHASES] + [p + x for p in SHIFTED for x in SHIFTS if a.shift]
         decoded = []      # each form's decode moves the same bytes: the same output
         for s in loads:
