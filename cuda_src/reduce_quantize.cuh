@@ -325,7 +325,7 @@ __device__ __forceinline__ void reduce_quantize_loop(const RqArgs<InT, ResT, Ref
                         e[i] = (finite && is_finite(d)) ? d : 0.0f;
                     }
                 }
-                res_store<ResT, kFull>(residual, t, S, res_vec, e);
+                res_store<ResT, kFull>(residual, t, S, res_vec, e, i8_scale_exp(scale, finite));
             }
         }
     }
@@ -442,12 +442,8 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
         }
         if (has_res) {
             if constexpr (kI8) {
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    float rv[8];
-                    res16_unpack(r + 64, k, rv);
-                    add_terms(acc[k], rv);
-                }
+                res16_add(r + 64, 0, acc[0]);
+                res16_add(r + 64, 1, acc[1]);
             } else {
                 unit16_read(r + 64, w0, w1);
                 float rv[8];
@@ -483,7 +479,9 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
             // residual = v - fl(q * scale), in the rotated domain; non-finite -> 0
             const bool plain = plain_residual<float>(amax, false);
             if constexpr (kI8) {
-                res16_store(i8_run(residual, u - lane), [&](int i) {
+                u32 sx = i8_scale_exp(scale, finite);
+                if constexpr (G == 16) sx = max(sx, __shfl_xor_sync(0xffffffffu, sx, 1));   // the block's two groups
+                res16_store<W::kBf16Scale>(i8_run(residual, u - lane), sx, [&](int i) {
                     const float d = sub_rn(acc[i >> 3][i & 7], e[i >> 3][i & 7]);
                     return plain || (finite && is_finite(d)) ? d : 0.0f;
                 });

@@ -168,21 +168,32 @@ array's dtype says which (uint8: the block format).
 The 8-bit block format (``int8``) stores ``n`` residuals (``n`` a multiple of
 ``RES_SUPER`` = 512) in ``n / 512 * 528`` bytes: per 512 elements, 512 int8
 mantissas ``m`` (element order) then 16 exponent bytes ``x``, one per block of
-32 consecutive elements. A block ``e`` (float32, finite) is stored as::
+32 consecutive elements. The exponent is set by the quantizer's scale, not by
+the block's values: a block ``e`` (float32, finite) whose values were quantized
+with scales ``s`` (the groups the block lies in) is stored as::
 
+    S = max over the block's finite scales of their biased float32 exponent (bits >> 23)
     E = biased float32 exponent of max |e|   (bits >> 23; 0 for zero/subnormal)
-    x = max(E, 7)
+    x = min(max(S, E + 1, 7), 254)
     m_i = clip(rint(fl(e_i * 2**(133 - x))), -127, 127)
 
-and read back as ``fl(max(m_i, -127) * 2**(min(max(x, 7), 254) - 133))`` (exact
-and finite for any bytes: |m| < 2**7 and the power of two is a normal float32;
-all-zero bytes read as zeros too). Zeroed residuals (`clear_residuals`: a new
-state, `Feedback.reset`) are stored as the encoder stores a zero block (x = 7),
-so that the blocks no call writes (past an all-reduce's count, `Layout.extent`)
-hold the same bytes in every engine. Every element is kept
-to 1/256 of its block's largest magnitude (1/128 at worst): a residual is at
-most about half a quantization step, so what the format drops is some 1/300 of
-one call's quantization error, at a quarter of float32's bytes.
+and read back as ``fl(m_i * 2**(x - 133))`` (exact and finite: |m| <= 127, and
+the power of two is a normal float32). |m_i| <= 64 but where ``E = 254`` (the
+clip). Bytes the encoder never writes (a mantissa of -128, an exponent outside
+[7, 254]) are refused where residuals come from outside (`check_residual_bytes`,
+`Feedback.load_state_dict`). A residual of a round-to-nearest quantization is at
+most half a step, below ``2**(S - 127)`` for the bfloat16 scales of the rotated
+codecs, so there ``E + 1 <= S`` and ``x = max(S, 7)``: the GPU's 16-element
+loops take the exponent from the scale with no maximum over the block and no
+clip (`tests/test_residual_int8.py` checks the bound); ``E`` counts where a
+residual also holds the output's rounding (``rounding=True``, a base) or the
+scales are float32 (``int4``). Zeroed residuals (`clear_residuals`: a new state,
+`Feedback.reset`) are stored as the encoder stores a zero block (x = 7), so that
+the blocks no call writes (past an all-reduce's count, `Layout.extent`) hold the
+same bytes in every engine. Every element is kept to ``2**(x - 134)``, at most
+1/128 of a quantization step where ``x = S``: what the format drops, and does
+not feed back, is 1/64 to 1/128 of one call's quantization error (RMS), at a
+quarter of float32's bytes.
 """
 from __future__ import annotations
 
@@ -206,6 +217,7 @@ RES_BLOCK = 32              # elements per exponent byte of the int8 residual fo
 RES_SUPER = 512             # elements per (mantissas, exponents) record of it
 RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
 RES_MIN_EXP = 7             # the least exponent byte x the encoder writes (that of a zero block)
+RES_MAX_EXP = 254           # the largest
 
 _F32 = np.float32
 _MIN_SCALE = np.float32(2.0 ** -149)
@@ -478,13 +490,14 @@ def nan_units(scale: np.ndarray, group: int, codec: str = "int4") -> tuple[np.nd
     return np.repeat(bad.any(axis=1), unit), np.repeat(first, unit)
 
 
-def residual_of(v: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:
+def residual_of(v: np.ndarray, ref: np.ndarray, dtype, scale=None, group: int = 0) -> np.ndarray:
     """``v - ref`` in float32, non-finite elements set to 0, stored as ``dtype`` (uint8: the
-    8-bit block format)."""
+    8-bit block format, whose exponents also take the quantizer's ``scale``, one per ``group``
+    elements)."""
     with np.errstate(invalid="ignore", over="ignore"):
         e = v - ref
     e[~np.isfinite(e)] = 0
-    return encode_residuals(e) if np.dtype(dtype) == np.uint8 else e.astype(dtype)
+    return encode_residuals(e, scale, group) if np.dtype(dtype) == np.uint8 else e.astype(dtype)
 
 
 def residual_dtype(fmt: str, input_dtype) -> np.dtype:
@@ -518,20 +531,47 @@ def residual_span(r, lo: int, hi: int):
     return r[residual_size(lo, r.dtype):residual_size(hi, r.dtype)]
 
 
+def check_residual_bytes(r) -> None:
+    """`ValueError` unless int8-format residuals ``r`` (numpy or cupy) hold only bytes the encoder
+    writes: no mantissa -128, exponents in [`RES_MIN_EXP`, `RES_MAX_EXP`]."""
+    rec = r.reshape(-1, RES_SUPER_BYTES)
+    if bool((rec[:, :RES_SUPER] == 0x80).any()):
+        raise ValueError("an int8 residual mantissa of -128 (the encoder writes -127 .. 127)")
+    x = rec[:, RES_SUPER:]
+    if bool(((x < RES_MIN_EXP) | (x > RES_MAX_EXP)).any()):
+        raise ValueError(f"an int8 residual exponent outside [{RES_MIN_EXP}, {RES_MAX_EXP}]")
+
+
 def load_residuals(r: np.ndarray) -> np.ndarray:
     """float32 values of residual array ``r`` (any storage format)."""
     if r.dtype != np.uint8:
         return r.astype(_F32)
     rec = r.reshape(-1, RES_SUPER_BYTES)
-    m = np.maximum(rec[:, :RES_SUPER].view(np.int8).reshape(-1, RES_BLOCK), -127).astype(_F32)
-    x = np.clip(rec[:, RES_SUPER:].reshape(-1).astype(np.uint32), RES_MIN_EXP, 254)
+    m = rec[:, :RES_SUPER].view(np.int8).reshape(-1, RES_BLOCK).astype(_F32)
+    x = rec[:, RES_SUPER:].reshape(-1).astype(np.uint32)
     return (m * ((x - 6) << 23).view(_F32)[:, None]).reshape(-1)
 
 
-def encode_residuals(e: np.ndarray) -> np.ndarray:
-    """float32 residuals (finite, length a multiple of 512) in the 8-bit block format."""
+def scale_exponents(scale: np.ndarray, group: int) -> np.ndarray:
+    """Per 32-element block of the int8 residual format: the largest biased exponent
+    (bits >> 23) of the finite float32 scales of its groups (one per ``group`` elements), 0 if
+    none (``S`` of "Residuals")."""
+    s = np.asarray(scale, dtype=_F32)
+    bits = s.view(np.uint32)
+    exps = np.where(np.isfinite(s), (bits >> 23) & np.uint32(0xFF), np.uint32(0)).astype(np.uint32)
+    if group >= RES_BLOCK:
+        return exps.repeat(group // RES_BLOCK)
+    return exps.reshape(-1, RES_BLOCK // group).max(axis=1)
+
+
+def encode_residuals(e: np.ndarray, scale=None, group: int = 0) -> np.ndarray:
+    """float32 residuals (finite, length a multiple of 512) in the 8-bit block format, with the
+    quantizer's ``scale`` per ``group`` elements (None: no scale, ``S`` = 0)."""
     b = np.ascontiguousarray(e, dtype=_F32).reshape(-1, RES_BLOCK)
-    x = np.maximum((b.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) >> 23, RES_MIN_EXP).astype(np.uint32)
+    x = np.maximum(((b.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) >> 23) + 1, RES_MIN_EXP).astype(np.uint32)
+    if scale is not None:
+        x = np.maximum(x, scale_exponents(scale, group))
+    x = np.minimum(x, RES_MAX_EXP)
     with np.errstate(under="ignore"):
         m = np.clip(np.rint(b * ((260 - x) << 23).view(_F32)[:, None]), -127, 127).astype(np.int8)
     rec = np.empty((b.shape[0] // (RES_SUPER // RES_BLOCK), RES_SUPER_BYTES), dtype=np.uint8)

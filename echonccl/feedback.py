@@ -181,7 +181,12 @@ class Feedback:
         inputs = _as_dtype(_entry(d, "inputs"), dt, wire.residual_size(layout.padded, dt), "inputs")
         output = _as_dtype(_entry(d, "output"), dt, wire.residual_size(layout.slice_elems, dt), "output")
         for what, a in (("inputs", inputs), ("output", output)):
-            if not np.isfinite(a.astype(np.float32)).all():   # the codec never stores NaN or Inf
+            if a.dtype == np.uint8:
+                try:
+                    wire.check_residual_bytes(a)
+                except ValueError as exc:
+                    raise EchoncclError(f"bad feedback state: {what}: {exc} (the state is corrupt)") from None
+            elif not np.isfinite(a.astype(np.float32)).all():   # the codec never stores NaN or Inf
                 raise EchoncclError(f"bad feedback state: {what} holds NaN or Inf (residuals are always "
                                     "finite: the state is corrupt)")
         if self.residuals is None or self.key != key or self.residuals.inputs.dtype != dt:

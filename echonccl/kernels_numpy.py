@@ -52,7 +52,7 @@ class NumpyKernels:
                     ref = ref.astype(ref_dtype).astype(_F32)
                 if rot and (base is not None or np.dtype(ref_dtype) != _F32):
                     ref = codec.rotate(ref)
-            residual[:] = codec.residual_of(acc, ref, residual.dtype)
+            residual[:] = codec.residual_of(acc, ref, residual.dtype, scale, out.group)
 
     def dequantize(self, layout: Layout, wire: np.ndarray, out: np.ndarray, accumulate: bool = False,
                    terms: int = 1) -> None:

@@ -13,18 +13,24 @@ from echonccl.errors import EchoncclError
 F32 = np.float32
 
 
-def scalar_encode(e: np.ndarray) -> np.ndarray:
+def scalar_encode(e: np.ndarray, scale=None, group: int = 32) -> np.ndarray:
     """The spec, one block at a time in Python floats (float64 is exact for these products)."""
     out = bytearray()
-    for rec in np.asarray(e, F32).reshape(-1, codec.RES_SUPER):
+    scales = [] if scale is None else [float(v) for v in np.asarray(scale, F32)]
+    for r, rec in enumerate(np.asarray(e, F32).reshape(-1, codec.RES_SUPER)):
         mant, exps = [], []
-        for blk in rec.reshape(-1, codec.RES_BLOCK):
+        for k, blk in enumerate(rec.reshape(-1, codec.RES_BLOCK)):
+            first = (r * codec.RES_SUPER + k * codec.RES_BLOCK)
+            mine = {s for i in range(first, first + codec.RES_BLOCK) if scales
+                    for s in [scales[i // group]] if math.isfinite(s)}
+            s_exp = max([int(np.array(s, F32).view(np.uint32)) >> 23 for s in mine], default=0)
             amax_bits = max(int(v) & 0x7FFFFFFF for v in blk.view(np.uint32))
-            x = max(amax_bits >> 23, 7)
+            x = min(max(s_exp, (amax_bits >> 23) + 1, 7), 254)
             for v in blk:
                 y = float(F32(float(v) * 2.0 ** (133 - x)))      # fl(): one float32 rounding
-                m = max(-127, min(127, round(y)))                   # round(): half to even
-                mant.append(m & 0xFF)
+                m = round(y)                                         # round(): half to even
+                assert -64 <= m <= 64 or amax_bits >> 23 == 254
+                mant.append(max(-127, min(127, m)) & 0xFF)
             exps.append(x)
         out += bytes(mant) + bytes(exps)
     return np.frombuffer(bytes(out), dtype=np.uint8)
@@ -39,9 +45,22 @@ def sample(rng, n: int) -> np.ndarray:
     return e
 
 
-def test_encode_matches_an_independent_reading_of_the_spec():
-    e = sample(np.random.default_rng(0), 2048)
+def sample_scales(rng, n: int, group: int) -> np.ndarray:
+    s = (np.exp2(rng.integers(-40, 40, n // group)) * rng.uniform(1, 2, n // group)).astype(F32)
+    s[1] = np.nan                                      # a non-finite group
+    s[2] = 0                                           # an all-zero group
+    s[3] = F32(2.0 ** -133)                            # bfloat16's smallest scale
+    s[4] = F32(3e38)
+    return s
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_encode_matches_an_independent_reading_of_the_spec(group):
+    rng = np.random.default_rng(0)
+    e = sample(rng, 2048)
     assert np.array_equal(codec.encode_residuals(e), scalar_encode(e))
+    s = sample_scales(rng, 2048, group)
+    assert np.array_equal(codec.encode_residuals(e, s, group), scalar_encode(e, s, group))
 
 
 def test_error_bound_and_exact_values():
@@ -50,18 +69,58 @@ def test_error_bound_and_exact_values():
     r = codec.load_residuals(codec.encode_residuals(e))
     blk = np.abs(e.astype(np.float64)).reshape(-1, 32).max(axis=1).repeat(32)
     err = np.abs(r.astype(np.float64) - e)
-    assert np.all(err <= blk / 128 + 2.0 ** -126), float(np.max(err / np.maximum(blk, 1e-300)))
-    assert np.mean(err[blk > 1e-30] / blk[blk > 1e-30]) < 1 / 256
-    m = rng.integers(-127, 128, 512).astype(F32)         # representable values come back exactly
+    assert np.all(err <= blk / 64 + 2.0 ** -126), float(np.max(err / np.maximum(blk, 1e-300)))
+    assert np.mean(err[blk > 1e-30] / blk[blk > 1e-30]) < 1 / 128
+    m = rng.integers(-63, 64, 512).astype(F32)           # representable values come back exactly
     exact = (m * F32(2.0 ** -20)).astype(F32)
-    exact[::32] = F32(127 * 2.0 ** -20)                 # every block's max sets the same exponent
+    exact[::32] = F32(63 * 2.0 ** -20)                  # every block's max sets the same exponent
     assert np.array_equal(codec.load_residuals(codec.encode_residuals(exact)), exact)
+    s = np.full(16, F32(2.0 ** -14), F32)              # a scale whose exponent is the block's
+    assert np.array_equal(codec.load_residuals(codec.encode_residuals(exact, s, 32)), exact)
+    s[0] = F32(2.0 ** -13)                              # one above: the first block loses its last bit
+    back = codec.load_residuals(codec.encode_residuals(exact, s, 32))
+    assert np.array_equal(back[32:], exact[32:]) and np.all(np.abs(back[:32] - exact[:32]) <= 2.0 ** -20)
 
 
-def test_zero_bytes_read_as_zeros_and_any_bytes_read_finite():
-    assert not codec.load_residuals(np.zeros(1056, np.uint8)).any()
-    junk = np.random.default_rng(2).integers(0, 256, 528 * 4, dtype=np.uint8)
-    assert np.isfinite(codec.load_residuals(junk)).all()
+@pytest.mark.parametrize("cd", ["int4-h32", "int7-h32"])
+def test_a_residual_stays_below_its_scales_power_of_two(cd):
+    """The bound the GPU's 16-element loops rely on (codec.py, "Residuals"): for the bfloat16
+    scales of the rotated codecs, v - fl(q * scale) has E + 1 <= max(S, 7), so the block's
+    exponent is the scale's and needs no maximum over the block."""
+    rng = np.random.default_rng(6)
+    G = codec.group_size(cd)
+    L = codec._LEVELS[cd]
+    parts = [rng.standard_normal(1 << 16) * np.exp2(rng.integers(-140, 120, (1 << 16) // G)).repeat(G)]
+    # adversarial groups: quotients at k + 1/2, the group's maximum just under a power of two, so
+    # that the truncated bfloat16 scale has an all-ones mantissa, tiny and subnormal groups
+    k = rng.integers(-L, L, 1 << 14)
+    amax = np.exp2(rng.integers(-130, 100, (1 << 14) // G)).repeat(G) * (2 - 2.0 ** -8) * L
+    half = (k + 0.5) / L * amax
+    half[::G] = amax[::G]
+    parts += [half, rng.standard_normal(1 << 12) * 1e-40, rng.standard_normal(1 << 12) * 1e-44]
+    v = np.concatenate(parts).astype(F32)
+    v = v[: v.size // 512 * 512]
+    q, scale = codec.quantize_groups(v, G, cd)
+    e = codec.residual_of(v, codec.dequantize_groups(q, scale, G), np.float32)
+    E = ((e.view(np.uint32) & 0x7FFFFFFF).reshape(-1, 32).max(axis=1) >> 23).astype(np.int64)
+    S = codec.scale_exponents(scale, G).astype(np.int64)
+    assert np.all(E + 1 <= np.maximum(S, 7)), int(np.max(E + 1 - np.maximum(S, 7)))
+    assert np.any(E + 1 == S)                           # the bound is reached: the test can fail
+
+
+def test_what_the_encoder_writes_reads_finite_and_other_bytes_are_refused():
+    e = sample(np.random.default_rng(2), 2048)
+    e[300:332] = F32(3.4e38) * np.sign(np.random.default_rng(3).standard_normal(32)).astype(F32)
+    buf = codec.encode_residuals(e, sample_scales(np.random.default_rng(2), 2048, 32), 32)
+    codec.check_residual_bytes(buf)
+    assert np.isfinite(codec.load_residuals(buf)).all()
+    zero = np.zeros(1024, F32)
+    assert not codec.load_residuals(codec.encode_residuals(zero)).any()
+    for pos, byte, what in ((3, 0x80, "-128"), (512, 6, "exponent"), (528 + 515, 255, "exponent")):
+        bad = buf.copy()
+        bad[pos] = byte
+        with pytest.raises(ValueError, match=what):
+            codec.check_residual_bytes(bad)
 
 
 def test_sizes_and_spans():
@@ -91,6 +150,11 @@ def test_feedback_int8_states():
     bad = {**sd, "inputs": sd["inputs"].astype(np.float32)}
     with pytest.raises(EchoncclError, match="dtype"):
         Feedback().load_state_dict(bad, zeros=np.zeros)
+    junk = sd["output"].copy()
+    junk[7] = 0x80
+    with pytest.raises(EchoncclError, match="output.*-128"):
+        again.load_state_dict({**sd, "output": junk}, zeros=np.zeros)
+    assert np.array_equal(again.residuals.inputs, st.inputs)     # nothing changed
     with pytest.raises(ValueError, match="residual_dtype"):
         Feedback("int7")
 
@@ -111,5 +175,7 @@ def test_reference_kernel_stores_the_format():
         NumpyKernels().reduce_quantize(L, None, 0, own, r32, w32, "float32")
         NumpyKernels().reduce_quantize(L, None, 0, own, r8, w8, "float32")
         assert np.array_equal(w32, w8), cd
-        assert np.array_equal(r8, codec.encode_residuals(r32)), cd
+        _, scale = codec.read_wire(w32, L.slice_elems, L.group, L.codec)
+        assert np.array_equal(r8, codec.encode_residuals(r32, scale, L.group)), cd
+        assert not np.array_equal(r8, codec.encode_residuals(r32)), cd   # the scales set the exponents
         assert math.isfinite(float(np.abs(codec.load_residuals(r8)).max()))

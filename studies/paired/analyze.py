@@ -1,10 +1,14 @@
 """Tables (ACCURACY.md, "Residual formats") from the per-sequence .npz files of persq.py and the
 depth JSONs, read from studies/results/ (where the commands in ACCURACY.md write them).
 
-    .venv/bin/python studies/paired/analyze.py
+    .venv/bin/python studies/paired/analyze.py [--formats A B] [--codec CODEC] [--results DIR]
+
+Two residual formats A and B (default float32 and input) of runs of ``CODEC`` (default int4-h32):
+B - A per sequence; with A = float32 also the null control (float32 again, ``--batch 8``).
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -12,6 +16,7 @@ import numpy as np
 
 R = Path(__file__).resolve().parent.parent / "results"
 ROWS = (("1 round", "echonccl two_shot int4-h32"), ("flush", "echonccl two_shot int4-h32 + flush"))
+NAMES = {"float32": "float32", "input": "bf16 (input)", "int8": "int8"}
 
 
 def load(tag):
@@ -42,29 +47,41 @@ def pct(x):
 
 
 def main():
+    global R, ROWS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", nargs=2, default=["float32", "input"], metavar=("A", "B"))
+    ap.add_argument("--codec", default="int4-h32")
+    ap.add_argument("--results", type=Path, default=R)
+    a = ap.parse_args()
+    R = a.results
+    ROWS = (("1 round", f"echonccl two_shot {a.codec}"), ("flush", f"echonccl two_shot {a.codec} + flush"))
+    fa, fb = a.formats
+    null = fa == "float32"
     cells = [("lee", 2), ("wiki", 2), ("lee", 4)]
     out = []
-    out.append("| text | P | seqs | row | float32 residuals | bf16 residuals (input) | null: float32, --batch 8 |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append(f"| text | P | seqs | row | {NAMES[fa]} residuals | {NAMES[fb]} residuals |"
+               + (" null: float32, --batch 8 |" if null else ""))
+    out.append("|---|---|---|---|---|---|" + ("---|" if null else ""))
     diffs = []
     for text, P in cells:
         for n in (32, 16, 8):
             base = f"sm_{text}_p{P}_n{n}"
-            f32, inp, nul = load(base + "_float32"), load(base + "_input"), load(base + "_float32_batch8")
-            if f32 is None and inp is None:
+            da, db = load(f"{base}_{fa}"), load(f"{base}_{fb}")
+            nul = load(base + "_float32_batch8") if null else None
+            if da is None and db is None:
                 continue
             for label, row in ROWS:
                 cols = []
-                for d in (f32, inp, nul):
+                for d in (da, db, nul)[:3 if null else 2]:
                     if d is None:
                         cols.append("")
                     else:
                         p, g = summary(d, row)
                         cols.append(f"{pct(p)} / {100 * g:.2f}%")
                 out.append(f"| {text} | {P} | {n} | {label} | " + " | ".join(cols) + " |")
-                for what, b in (("bf16 - float32", inp), ("null (--batch 8) - float32", nul)):
-                    if f32 is not None and b is not None:
-                        diffs.append((text, P, n, label, what, paired(f32, b, row)))
+                for what, b in ((f"{NAMES[fb]} - {NAMES[fa]}", db), ("null (--batch 8) - float32", nul)):
+                    if da is not None and b is not None:
+                        diffs.append((text, P, n, label, what, paired(da, b, row)))
     out.append("")
     out.append("Paired per-sequence differences (b - a over the same sequences): perplexity ratio "
                "exp(mean dNLL) - 1 and agreement difference, each +- 1.96 standard errors over sequences; "
