@@ -109,17 +109,17 @@ def main():
             out.append(f"| {label} | {what} | {len(dn)} | {pct(np.exp(dn.mean()) - 1)} +- {100 * 1.96 * se(dn):.2f} | "
                        f"{100 * dg.mean():+.2f} +- {100 * 1.96 * se(dg):.2f} pt |")
     out.append("")
-    out.append("Depth study (bf16 terms, int4-h32, L = 128): two_shot relative stream error")
+    out.append(f"Depth study (bf16 terms, {a.codec}, L = 128): two_shot relative stream error")
     out.append("")
     out.append("| P | seed | residuals | err(1) | err(128) | err(128)/err(1) |")
     out.append("|---|---|---|---|---|---|")
     for P in (2, 4):
         for seed in ("", "_s1", "_s2", "_s3", "_s4"):
-            for rd in ("float32", "input"):
+            for rd in (fa, fb):
                 p = R / f"depth_p{P}_{rd}{seed}.json"
                 if not p.exists():
                     continue
-                e = json.load(open(p))["errors"]["two_shot int4-h32"]
+                e = json.load(open(p))["errors"][f"two_shot {a.codec}"]
                 out.append(f"| {P} | {seed[2:] or 0} | {rd} | {e[0]:.3e} | {e[-1]:.3e} | {e[-1] / e[0]:.3f} |")
     print("\n".join(out))
 
