@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-R = Path(__file__).resolve().parent.parent / "results"
-ROWS = (("1 round", "echonccl two_shot int4-h32"), ("flush", "echonccl two_shot int4-h32 + flush"))
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 NAMES = {"float32": "float32", "input": "bf16 (input)", "int8": "int8"}
 
 
-def load(tag):
-    p = R / f"{tag}.npz"
+def load(folder: Path, tag: str):
+    p = folder / f"{tag}.npz"
     return np.load(p) if p.exists() else None
 
 
@@ -47,14 +46,13 @@ def pct(x):
 
 
 def main():
-    global R, ROWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs=2, default=["float32", "input"], metavar=("A", "B"))
     ap.add_argument("--codec", default="int4-h32")
-    ap.add_argument("--results", type=Path, default=R)
+    ap.add_argument("--results", type=Path, default=RESULTS)
     a = ap.parse_args()
     R = a.results
-    ROWS = (("1 round", f"echonccl two_shot {a.codec}"), ("flush", f"echonccl two_shot {a.codec} + flush"))
+    rows = (("1 round", f"echonccl two_shot {a.codec}"), ("flush", f"echonccl two_shot {a.codec} + flush"))
     fa, fb = a.formats
     null = fa == "float32"
     cells = [("lee", 2), ("wiki", 2), ("lee", 4)]
@@ -66,11 +64,11 @@ def main():
     for text, P in cells:
         for n in (32, 16, 8):
             base = f"sm_{text}_p{P}_n{n}"
-            da, db = load(f"{base}_{fa}"), load(f"{base}_{fb}")
-            nul = load(base + "_float32_batch8") if null else None
+            da, db = load(R, f"{base}_{fa}"), load(R, f"{base}_{fb}")
+            nul = load(R, base + "_float32_batch8") if null else None
             if da is None and db is None:
                 continue
-            for label, row in ROWS:
+            for label, row in rows:
                 cols = []
                 for d in (da, db, nul)[:3 if null else 2]:
                     if d is None:
@@ -98,7 +96,7 @@ def main():
     out.append("")
     out.append("| row | comparison | samples | d perplexity (+-95%) | d agreement (+-95%) |")
     out.append("|---|---|---|---|---|")
-    for label, _ in ROWS:
+    for label, _ in rows:
         for what in sorted({w for *_, w, _ in diffs}):
             sel = [s for _, _, _, lab, w, s in diffs if lab == label and w == what]
             if not sel:
