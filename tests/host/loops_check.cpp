@@ -42,13 +42,12 @@ struct Buf {
 
 static std::mt19937 g_rng(1234);
 template <typename T>
+static u16 bits16_of(float v) { return IsSame<T, bf16_t>::v ? echo_host::f32_to_bf16(v) : echo_host::f32_to_f16(v); }
+template <typename T>
 static void fill_values(unsigned char* p, i64 n, float sigma) {
     std::normal_distribution<float> d(0.0f, sigma);
     u16* h = reinterpret_cast<u16*>(p);
-    for (i64 i = 0; i < n; ++i) {
-        const float v = d(g_rng);
-        h[i] = IsSame<T, bf16_t>::v ? echo_host::f32_to_bf16(v) : echo_host::f32_to_f16(v);
-    }
+    for (i64 i = 0; i < n; ++i) h[i] = bits16_of<T>(d(g_rng));
 }
 // Wire slices of codec (G, kCodec): random codes, bfloat16 scales in [2^-7, 2^-3).
 template <int G, int kCodec>
@@ -153,9 +152,7 @@ static void dump(const std::string& dir, i64 n) {
     // groups that plain_residual does not pass, so the residuals' non-finite tests run: +inf, NaN,
     // 2^125 (float16: +inf)
     const float special[] = {INFINITY, NAN, 0x1p125f};
-    for (int i = 0; i < 3; ++i)
-        reinterpret_cast<u16*>(x.base())[1000 + 1100 * i] =
-            IsSame<T, bf16_t>::v ? echo_host::f32_to_bf16(special[i]) : echo_host::f32_to_f16(special[i]);
+    for (int i = 0; i < 3; ++i) reinterpret_cast<u16*>(x.base())[1000 + 1100 * i] = bits16_of<T>(special[i]);
     fill_residuals<R>(r0.base());
     fill_wire<32, kInt4H32>(incoming.base(), 2);
     std::memcpy(res4.base(), r0.base(), rb);
