@@ -212,7 +212,7 @@ SCALE_DTYPE = np.dtype("<f4")
 _GROUPS = {"int4": 32, "int4-h32": 32, "int7-h32": 16}
 _LEVELS = {"int4": QMAX, "int4-h32": QMAX, "int7-h32": 63}
 _BF16_SCALE = np.dtype("<u2")     # the rotated codecs' scales: the high half of a float32
-RESIDUAL_FORMATS = ("float32", "input", "int8")
+RESIDUAL_FORMATS = ("auto", "float32", "input", "int8")
 RES_BLOCK = 32              # elements per exponent byte of the int8 residual format
 RES_SUPER = 512             # elements per (mantissas, exponents) record of it
 RES_SUPER_BYTES = RES_SUPER + RES_SUPER // RES_BLOCK
@@ -501,9 +501,13 @@ def residual_of(v: np.ndarray, ref: np.ndarray, dtype, scale=None, group: int = 
 
 
 def residual_dtype(fmt: str, input_dtype) -> np.dtype:
-    """The array dtype residuals of format ``fmt`` (`RESIDUAL_FORMATS`) are stored in."""
+    """The array dtype residuals of format ``fmt`` (`RESIDUAL_FORMATS`) are stored in for data of
+    ``input_dtype``: ``"auto"`` is the int8 block format (uint8) for 16-bit data and float32 for
+    float32 data."""
     if fmt not in RESIDUAL_FORMATS:
         raise ValueError(f"residual format must be one of {RESIDUAL_FORMATS}, got {fmt!r}")
+    if fmt == "auto":
+        fmt = "int8" if np.dtype(input_dtype).itemsize == 2 else "input"
     return np.dtype({"float32": np.float32, "int8": np.uint8}.get(fmt, input_dtype))
 
 

@@ -17,12 +17,12 @@ launch side uses (`Kernel.name`) come from here alone. Nothing else instantiates
   int4-h32 contributions, int7-h32 sums) the owner's reduce_quantize and the fused two-shot (the
   rest of its work runs its parts' kernels); the 16-bit one-shots. Whether a decode adds into
   its output is a run-time argument.
-* `PREBUILT`: the kernels of the default options (the default codec, `default_options`: residuals
-  of the input's type or none, ``rounding=False``, refinement rounds) for every data type, and
-  the one-shots: what ``python -m echonccl.build`` and the wheel compile ahead of time
-  (`echonccl.build`). The rest (other codecs, int8 or float32 residuals of 16-bit data,
-  ``rounding=True`` on whole slices) are compiled on demand, one at a time, the first time a call needs them
-  (`echonccl.kernel_loader`).
+* `PREBUILT`: the kernels of the default options (the default codec, `default_options`: int8
+  residuals of 16-bit data, float32 ones of float32 data, or none; ``rounding=False``; refinement
+  rounds) for every data type, and the one-shots: what ``python -m echonccl.build`` and the wheel
+  compile ahead of time (`echonccl.build`). The rest (other codecs, 16-bit or float32 residuals
+  of 16-bit data, ``rounding=True`` on whole slices) are compiled on demand, one at a time, the
+  first time a call needs them (`echonccl.kernel_loader`).
 
 This module imports nothing outside the standard library (the wheel build runs it).
 """
@@ -183,11 +183,12 @@ def kernels_of(codec: str) -> tuple[Kernel, ...]:
 
 
 def default_options(k: Kernel) -> bool:
-    """Whether ``k`` serves the default options of its codec: residuals of the input's type
-    (``Feedback()``) or none (the float32 instantiation stands in), the owner's output rounding
-    left out of its residual (``rounding=False``) but kept in refinement rounds (the flush); not
-    int8 or float32 residuals of 16-bit data, nor ``rounding=True`` on whole slices."""
-    if k.res == "i8":
+    """Whether ``k`` serves the default options of its codec: ``Feedback()``'s residuals (int8
+    for 16-bit data, float32 for float32 data) or none (the float32 instantiation stands in), the
+    owner's output rounding left out of its residual (``rounding=False``) but kept in refinement
+    rounds (the flush); not 16-bit residuals, int8 ones of float32 data, nor ``rounding=True``
+    on whole slices."""
+    if k.res not in ("", "f32", "f32" if k.dtype == "f32" else "i8"):
         return False
     if k.family == "reduce_quantize":
         return not (k.res == "f32" and k.ref != "f32")

@@ -553,7 +553,7 @@ def test_run_solo_stops_when_a_wait_is_not_armed(emulated_gpu, monkeypatch):
 
 def test_main_prints_the_tables(emulated_gpu, capsys):
     assert fused_solo.main(["--ranks", "2", "4", "--sizes", "16K", "24K", "--iters", "2", "--reps", "1",
-                            "--codec", "int4-h32"]) == 0
+                            "--codec", "int4-h32", "--residual", "input"]) == 0
     out = capsys.readouterr().out
     assert "## P = 2" in out and "## P = 4" in out and "| 24 KiB |" in out
     assert "bit for bit, every case" in out

@@ -29,19 +29,20 @@ def test_table_counts_and_names():
     assert len(kt.kernels_of("int4-h32")) == 72 and len(kt.kernels_of("int4")) == 72
     mixed = kt.kernels_of(codec.MIXED)      # int4-h32's but its two-shot, the pair's own, int7-h32's decodes
     assert len(mixed) == 72 - 36 + 50 + 6 and {k.codec for k in mixed} == {"int4-h32", codec.MIXED, "int7-h32"}
-    # prebuilt: the default options' kernels (residuals of the input's type or none, rounding off, the
-    # flush's refinement round), every type
+    # prebuilt: the default options' kernels (int8 residuals of 16-bit data, float32 ones of float32
+    # data, or none; rounding off; the flush's refinement round), every type
     assert codec.DEFAULT_CODEC == codec.MIXED and len(kt.PREBUILT) == 58
     assert set(kt.PREBUILT) == {k for k in kt.ALL if k.codec == ""} | {k for k in mixed if kt.default_options(k)}
-    assert not any(k.res == "i8" for k in kt.PREBUILT)
+    assert {k.res for k in kt.PREBUILT if k.dtype == "f32"} == {"", "f32"}
+    assert {k.res for k in kt.PREBUILT if k.dtype != "f32"} == {"", "f32", "i8"}
     assert {(k.res, k.ref, k.whole, k.any_count, k.shifted) for k in kt.PREBUILT
             if k.family == "two_shot" and k.dtype == "bf16"} == {
         ("f32", "", False, False, False), ("f32", "", True, False, False),      # no feedback
-        ("bf16", "f32", False, False, False), ("bf16", "f32", False, False, True),   # round 1
-        ("bf16", "f32", True, False, False), ("bf16", "f32", True, True, False),
-        ("bf16", "", False, False, False)}            # a refinement round (the flush) keeps the rounding
+        ("i8", "f32", False, False, False), ("i8", "f32", False, False, True),   # round 1
+        ("i8", "f32", True, False, False), ("i8", "f32", True, True, False),
+        ("i8", "", False, False, False)}            # a refinement round (the flush) keeps the rounding
     assert {(k.res, k.ref) for k in kt.PREBUILT if k.family == "reduce_quantize" and k.dtype == "bf16"} == {
-        ("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16")}     # no feedback; contributions, owner; the flush's owner
+        ("f32", "f32"), ("i8", "f32"), ("i8", "bf16")}     # no feedback; contributions, owner; the flush's owner
     assert kt.Kernel("two_shot", "bf16", codec.MIXED, "i8").name == "echo_two_shot_bf16_resi8_int4_h32_int7_h32"
     assert "ECHO_RQ_KERNEL(echo_reduce_quantize_f16_resf16_reff32_int4_h32_int7_h32, f16, f16, f32, 16, 2, 32, 1)" \
         == kt.Kernel("reduce_quantize", "f16", codec.MIXED, "f16", "f32").line()

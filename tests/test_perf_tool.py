@@ -165,7 +165,7 @@ def test_single_rank_run(no_env_overrides, capsys):
 
 
 @pytest.mark.parametrize("option,shown,conflict,refusal", [
-    (["--rounds", "2"], "feedback on (input residuals), rounds 2, algorithms two_shot ring",
+    (["--rounds", "2"], "feedback on (auto residuals), rounds 2, algorithms two_shot ring",
      ["--rounds", "2", "--no-feedback"], "--rounds 2 sends the feedback residuals"),
     (["--codec", "int7-h32"], "codec int7-h32, group size 16,", None, None),
 ])

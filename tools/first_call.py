@@ -34,17 +34,18 @@ TOOLS = Path(__file__).resolve().parent
 def first_call_kernels() -> tuple[str, ...]:
     """What a first bf16 all-reduce with default options loads, on either path: the fused
     two-shot, the two 16-bit one-shots, the NCCL path's contribution, owner and decode kernels."""
-    from echonccl import codec
+    from echonccl import codec, dtypes
     from echonccl import kernel_table as kt
-    from echonccl.feedback import DEFAULT_ROUNDING
+    from echonccl.feedback import DEFAULT_RESIDUAL, DEFAULT_ROUNDING
 
     d = codec.DEFAULT_CODEC
     contributions, sums = codec.parts(d)
+    res = "i8" if codec.residual_dtype(DEFAULT_RESIDUAL, dtypes.numpy_dtype("bfloat16")).itemsize == 1 else "bf16"
     ref = "bf16" if DEFAULT_ROUNDING else "f32"     # the owner's reference: the output's type, or float32
-    return (kt.Kernel("two_shot", "bf16", d, "bf16", "" if DEFAULT_ROUNDING else "f32", whole=True).name,
+    return (kt.Kernel("two_shot", "bf16", d, res, "" if DEFAULT_ROUNDING else "f32", whole=True).name,
             kt.Kernel("one_shot_ll", "bf16").name, kt.Kernel("one_shot", "bf16").name,
-            kt.Kernel("reduce_quantize", "bf16", contributions, "bf16", "f32").name,
-            kt.Kernel("reduce_quantize", "bf16", d, "bf16", ref).name,
+            kt.Kernel("reduce_quantize", "bf16", contributions, res, "f32").name,
+            kt.Kernel("reduce_quantize", "bf16", d, res, ref).name,
             kt.Kernel("dequantize", "bf16", sums).name)
 
 

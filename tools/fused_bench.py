@@ -32,7 +32,7 @@ import cupy as cp
 
 import echonccl
 from echonccl import codec, dtypes, fused
-from echonccl.feedback import DEFAULT_ROUNDING
+from echonccl.feedback import DEFAULT_RESIDUAL, DEFAULT_ROUNDING
 from echonccl.layout import Layout
 from echonccl.perf.options import format_size, parse_size
 from kernel_bench import time_us
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
-    p.add_argument("--residual", default="input", choices=codec.RESIDUAL_FORMATS)
+    p.add_argument("--residual", default=DEFAULT_RESIDUAL, choices=codec.RESIDUAL_FORMATS)
     p.add_argument("--rounding", default=None, choices=("on", "off"),
                    help="Feedback(rounding=): the owner's output rounding in its residual (default: Feedback's, off)")
     p.add_argument("--kernels", nargs="+", default=["general", "whole"],

@@ -3,7 +3,7 @@
 peer buffers filled as its peers would have left them: a lower bound of the P-GPU time.
 
     python tools/fused_solo.py [--ranks 2 4 8] [--sizes 16M 64M 256M 1G] [--kernels general whole q q_whole]
-        [--codec int4-h32] [--residual input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
+        [--codec int4-h32] [--residual auto|input|float32|int8] [--rounding on|off] [--iters 20] [--reps 2]
         [--grid N] [--tiles N] [--offset N] [--max-bytes 4G] [--timeout 10] [--phases] [-G]
         [--baseline DIR]
     python tools/fused_bench.py --solo [the same options]
@@ -83,7 +83,7 @@ import numpy as np
 
 import echonccl
 from echonccl import codec, peer_memory
-from echonccl.feedback import DEFAULT_ROUNDING
+from echonccl.feedback import DEFAULT_RESIDUAL, DEFAULT_ROUNDING
 from echonccl.schedules.two_shot import _quantize
 
 KERNELS = ("general", "whole", "q", "q_whole")
@@ -442,7 +442,7 @@ def phase_firsts(P: int, T: int) -> dict:
     return {"owner": (P - 1) * T, "decode": P * T}
 
 
-def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual="input",
+def run_solo(ranks, sizes, kernels=KERNELS, codec_name=codec.DEFAULT_CODEC, residual=DEFAULT_RESIDUAL,
              rounding=DEFAULT_ROUNDING, iters=20, reps=2, grid=0, timeout=10.0, max_bytes=None, report=None,
              phases=False, graph=False, tiles=0, observe=None, offset=0, baseline=None) -> dict:
     """``{(P, nbytes): {kernel: Case}}`` for bf16 inputs of ``nbytes`` (see the module docstring).
@@ -662,7 +662,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="+", default=["16M", "64M", "256M", "1G"], help="bytes of bf16 input")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     p.add_argument("--codec", default=codec.DEFAULT_CODEC, choices=codec.CODECS)
-    p.add_argument("--residual", default="input", choices=codec.RESIDUAL_FORMATS)
+    p.add_argument("--residual", default=DEFAULT_RESIDUAL, choices=codec.RESIDUAL_FORMATS)
     p.add_argument("--rounding", default=None, choices=("on", "off"),
                    help="Feedback(rounding=): the owner's output rounding in its residual (default: Feedback's, off)")
     p.add_argument("--iters", type=int, default=20)

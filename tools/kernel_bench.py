@@ -49,17 +49,18 @@ def cases(elems: int, codec_name: str = "int4", max_blocks: int = 0):
     for dt in ("bfloat16", "float16", "float32"):
         ndt = dtypes.numpy_dtype(dt)
         own = cp.random.standard_normal(S, dtype=cp.float32).astype(ndt)
-        for rdt, n_in in (("float32", 0), ("input", 0), ("float32", 1), ("input", 1), ("input", 3),
-                          ("float32", 7), ("input", 7)):
-            rd = np.dtype(np.float32) if rdt == "float32" else ndt
-            res = cp.zeros(S, dtype=rd)
+        for rdt, n_in in (("float32", 0), ("input", 0), ("int8", 0), ("float32", 1), ("input", 1),
+                          ("int8", 1), ("input", 3), ("float32", 7), ("input", 7)):
+            rd = codec.residual_dtype(rdt, ndt)
+            res = cp.zeros(codec.residual_size(S, rd), dtype=rd)
+            codec.clear_residuals(res)
             inc = cp.zeros(max(n_in, 1) * B, dtype=cp.uint8) if n_in else None
             out = cp.empty(B, dtype=cp.uint8)
             # as two_shot calls it: a contribution (n_in = 0) measures its residual in float32,
             # the owner (n_in > 0) against the output dtype (int4-h32: rotated back and forth)
             ref = np.float32 if n_in == 0 else ndt
             moved = n_in * B + own.nbytes + 2 * res.nbytes + B
-            yield (f"reduce_quantize in={dt} residual={rd.name} n_in={n_in} {codec_name}", moved,
+            yield (f"reduce_quantize in={dt} residual={'int8' if rd == np.uint8 else rd.name} n_in={n_in} {codec_name}", moved,
                    lambda inc=inc, n_in=n_in, own=own, res=res, out=out, ref=ref:
                    k.reduce_quantize(L, inc, n_in, own, res, out, ref))
         wire = cp.zeros(B, dtype=cp.uint8)

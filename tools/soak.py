@@ -18,7 +18,8 @@ Checks:
 * every call: the output's hash is allgathered, and must be the same on every rank;
 * calls of at most ``--check-bytes`` input bytes, against the float64 sum over ranks (MPI):
   without feedback, the README's per-element error bound; with feedback, the exact
-  bookkeeping ``out == exact + residuals before - residuals after`` (to float32 rounding);
+  bookkeeping ``out == exact + residuals before - residuals after`` (to float32 rounding and
+  the residual format's own: 16-bit, or the int8 blocks' 2**(x - 134) an element);
   the baseline within the output dtype's rounding; NaN/Inf inputs non-finite in the output,
   every group without one finite.
 
@@ -171,7 +172,7 @@ class Plan:
         lo, hi = (-12, 8) if dtype == "float16" else (-40, 40)
         return {"i": i, "count": count, "shape": shape, "dtype": dtype,
                 "algo": self.algos[rng.integers(len(self.algos))], "feedback": str(fb),
-                "residual": str(rng.choice(["float32", "input"])), "reset": bool(rng.random() < 0.1),
+                "residual": str(rng.choice(["float32", "input", "int8"])), "reset": bool(rng.random() < 0.1),
                 "rounds": 2 if fb != "off" and rng.random() < 0.25 else 1,
                 "inplace": bool(rng.random() < 0.3), "scale": 2.0 ** int(rng.integers(lo, hi + 1)),
                 "special": special}
@@ -318,32 +319,44 @@ def main(argv=None) -> int:
 
 
 def _owed(r, codec_name: str):
-    """(what residuals ``r`` owe the sum, a bound of its magnitude), float64, in the values'
-    domain: for the rotated codec the exact inverse rotation, bounded by the block's sum of |r|."""
+    """(what residuals ``r`` owe the sum, a bound of its magnitude, a bound of what storing them
+    dropped), float64, in the values' domain: for the rotated codec the exact inverse rotation,
+    bounded by the block's sum of |r|. Only the int8 block format drops anything here: at most
+    2**(x - 133) / 2 an element of a block whose exponent byte is x (codec.py, "Residuals")."""
     from echonccl import codec
 
-    r64 = r.astype(np.float64)
+    r64 = codec.load_residuals(r).astype(np.float64)
+    drop = np.zeros_like(r64)
+    if r.dtype == np.uint8:
+        x = r.reshape(-1, codec.RES_SUPER_BYTES)[:, codec.RES_SUPER:].reshape(-1).astype(np.float64)
+        drop = np.repeat(np.exp2(x - 134), codec.RES_BLOCK)
     if not codec.rotated(codec_name):
-        return r64, np.abs(r64)
-    mag = np.repeat(np.abs(r64).reshape(-1, codec.ROT_BLOCK).sum(axis=1), codec.ROT_BLOCK)
-    return codec.residual_values(r64, codec_name), mag
+        return r64, np.abs(r64), drop
+    def block_sum(v):
+        return np.repeat(v.reshape(-1, codec.ROT_BLOCK).sum(axis=1), codec.ROT_BLOCK)
+    return codec.residual_values(r64, codec_name), block_sum(np.abs(r64)), block_sum(drop)
 
 
 def _residual_total(fb, world, count: int):
-    """(sum over ranks, sum over ranks of magnitudes) of a state's residuals, per element;
-    zeros while unbound; None when the state is off."""
+    """(sum over ranks, sum over ranks of magnitudes, sum over ranks of what storing them dropped)
+    of a state's residuals (`_owed`), per element; zeros while unbound; None when the state is off."""
     sd = fb.state_dict()
     if not sd["enabled"]:
         return None
     if sd["key"] is None:
-        return np.zeros(count), np.zeros(count)
+        return np.zeros(count), np.zeros(count), np.zeros(count)
     cd = sd["codec"]
-    e_in, e_in_abs = _owed(sd["inputs"], cd)
-    total = world.allreduce(np.stack([e_in, e_in_abs]))
-    e_out, e_out_abs = _owed(sd["output"], cd)
-    outs = world.allgather(np.stack([e_out, e_out_abs]))
+    total = world.allreduce(np.stack(_owed(sd["inputs"], cd)))
+    outs = world.allgather(np.stack(_owed(sd["output"], cd)))
     total = total + np.concatenate(outs, axis=1)
-    return total[0, :count], total[1, :count]
+    return total[0, :count], total[1, :count], total[2, :count]
+
+
+def _block_max(v, block: int):
+    """Per element: the max of ``v`` over its block of ``block`` elements (the last one ragged)."""
+    pad = -len(v) % block
+    m = np.pad(v, (0, pad), mode="edge").reshape(-1, block).max(axis=1)
+    return np.repeat(m, block)[:len(v)]
 
 
 def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine) -> str | None:
@@ -372,9 +385,13 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
         steps = (P - 1) * (2.0 ** -7 if c["dtype"] != "float32" else 2.0 ** -22)
         bound, kind = rounding + steps * amax_sum, "baseline"
     elif before is not None and after is not None:
-        (r0, r0_abs), (r1, r1_abs) = before, after
+        (r0, r0_abs, _), (r1, r1_abs, r1_drop) = before, after
         y_expect = exact + r0 - r1
-        slack = 2.0 ** -20 * (P + 2) * (r0_abs + r1_abs)
+        slack = 2.0 ** -20 * (P + 2) * (r0_abs + r1_abs) + r1_drop   # r1_drop: int8 storage
+        if r1_drop.any() and c["rounds"] > 1:
+            # ... and between rounds: at most 1/64 of the block's 4-bit error (x <= max(S, E + 1))
+            four_bit = support.readme_bound(amax_sum, algo, P, comm.config.codec) + r0_abs
+            slack += 2.0 ** -6 * (c["rounds"] - 1) * _block_max(four_bit, 32)
         if c["residual"] == "input" and c["dtype"] != "float32" and c["feedback"] != "off":
             slack += 2.0 ** -7 * r1_abs          # every rank's residual rounded to the input dtype
             if c["dtype"] == "float16":          # ... where small residuals are float16 subnormals

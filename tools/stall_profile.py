@@ -199,6 +199,7 @@ def report(name: str, reasons, funcs, off, counts, totals, top: int) -> dict:
 
 def main(argv=None):
     from echonccl.codec import RESIDUAL_FORMATS
+    from echonccl.feedback import DEFAULT_RESIDUAL
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lib", help="pcsampling.so built from tools/pcsampling.c")
@@ -213,7 +214,7 @@ def main(argv=None):
     p.add_argument("--sizes", nargs="+", default=["16M", "1G"], help="--fused: bytes of bf16 input")
     p.add_argument("--kernels", nargs="+", default=["whole"], help="--fused: fused_solo's kernels")
     p.add_argument("--codec", default=None, help="--fused: the codec (default: the default codec)")
-    p.add_argument("--residual", default="input", choices=RESIDUAL_FORMATS,
+    p.add_argument("--residual", default=DEFAULT_RESIDUAL, choices=RESIDUAL_FORMATS,
                    help="--fused: the residuals' format (Feedback(residual_dtype=))")
     p.add_argument("--offset", type=int, default=0,
                    help="--fused: input and output that many elements off alignment (fused_solo.py --offset)")

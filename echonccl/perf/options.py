@@ -16,7 +16,8 @@ import io
 import re
 
 from .. import dtypes
-from ..codec import CODECS
+from ..codec import CODECS, RESIDUAL_FORMATS
+from ..feedback import DEFAULT_RESIDUAL
 from ..config import ALGORITHMS
 from .check import MAX_RELERR
 
@@ -154,9 +155,9 @@ def build_parser(prog: str, collective: str) -> argparse.ArgumentParser:
     e.add_argument("--algo", type=_algo_arg, default="both",
                    help=f"echonccl algorithm(s) to time, comma-separated from {', '.join(ALGORITHM_CHOICES)} "
                    "(default both: two_shot,ring)")
-    e.add_argument("--residual", choices=("float32", "input", "int8"), default="input",
-                   help="feedback residual format (default input: the data's dtype, echonccl's default; "
-                   "float32; int8: 8-bit blocks)")
+    e.add_argument("--residual", choices=RESIDUAL_FORMATS, default=DEFAULT_RESIDUAL,
+                   help=f"feedback residual format (default {DEFAULT_RESIDUAL}, echonccl's: int8 blocks for "
+                   "16-bit data, float32 for float32; input: the data's dtype)")
     e.add_argument("--codec", choices=CODECS, default=None,
                    help="wire codec (default: the communicator's, int4-h32/int7-h32 unless ECHONCCL_CODEC says)")
     e.add_argument("--no-feedback", action="store_true", help="time echonccl without error feedback")
