@@ -69,7 +69,7 @@ consecutive elements of a slice (blocks aligned with the groups, so a group of
 G >= 32 holds G/32 whole blocks) is multiplied by a fixed sign-randomized
 Hadamard matrix before its first quantization, and the decoded sum is rotated
 back after the last decode. The wire then carries rotated values, and the
-feedback residuals live in the rotated domain (float32 or the input dtype).
+feedback residuals live in the rotated domain (in any of their storage formats).
 Spreading each element over its block evens out the group's values, so the
 absmax scale wastes fewer of the 15 levels on one outlier.
 

@@ -55,7 +55,7 @@ def main():
     rows = (("1 round", f"echonccl two_shot {a.codec}"), ("flush", f"echonccl two_shot {a.codec} + flush"))
     fa, fb = a.formats
     null = fa == "float32"
-    cells = [("lee", 2), ("wiki", 2), ("lee", 4)]
+    cells = [(text, P) for P in (2, 4, 8) for text in ("lee", "wiki")]     # those with results
     out = []
     out.append(f"| text | P | seqs | row | {NAMES[fa]} residuals | {NAMES[fb]} residuals |"
                + (" null: float32, --batch 8 |" if null else ""))
