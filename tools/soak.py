@@ -45,6 +45,7 @@ from collections import OrderedDict
 import numpy as np
 
 import support  # tools/, beside this script
+from echonccl.codec import RES_BLOCK
 from echonccl.config import ALGORITHMS
 from echonccl.feedback import DEFAULT_RESIDUAL
 
@@ -352,13 +353,6 @@ def _residual_total(fb, world, count: int):
     return total[0, :count], total[1, :count], total[2, :count]
 
 
-def _block_max(v, block: int):
-    """Per element: the max of ``v`` over its block of ``block`` elements (the last one ragged)."""
-    pad = -len(v) % block
-    m = np.pad(v, (0, pad), mode="edge").reshape(-1, block).max(axis=1)
-    return np.repeat(m, block)[:len(v)]
-
-
 def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine) -> str | None:
     """None if the output ``y32`` (float32, flat) is right for ``x`` summed over ranks."""
     n = c["count"]
@@ -391,7 +385,7 @@ def _check_values(x, y32, c, comm, world, G, P, bad_elem, before, after, engine)
         if r1_drop.any() and c["rounds"] > 1:
             # ... and between rounds: at most 1/64 of the block's 4-bit error (x <= max(S, E + 1))
             four_bit = support.readme_bound(amax_sum, algo, P, comm.config.codec) + r0_abs
-            slack += 2.0 ** -6 * (c["rounds"] - 1) * _block_max(four_bit, 32)
+            slack += 2.0 ** -6 * (c["rounds"] - 1) * support.group_amax(four_bit, RES_BLOCK)
         if c["residual"] == "input" and c["dtype"] != "float32" and c["feedback"] != "off":
             slack += 2.0 ** -7 * r1_abs          # every rank's residual rounded to the input dtype
             if c["dtype"] == "float16":          # ... where small residuals are float16 subnormals
