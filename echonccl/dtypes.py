@@ -10,6 +10,7 @@ SUPPORTED = {
     "float32": np.dtype(np.float32),
 }
 CUDA_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+KERNEL_NAME = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}   # kernel_table's names
 
 
 _NAMES: dict = {}     # dtype -> name, for the hot path (numpy's dtype.name is slow)
@@ -42,3 +43,14 @@ def _canonical(dtype) -> str:
 
 def numpy_dtype(name: str) -> np.dtype:
     return SUPPORTED[canonical(name)]
+
+
+def kernel_name(dtype) -> str:
+    """The name `kernel_table` gives a supported data dtype: "f16", "bf16" or "f32"."""
+    return KERNEL_NAME[canonical(dtype)]
+
+
+def residual_kernel_name(dtype) -> str:
+    """The name `kernel_table` gives a residual store of ``dtype``: "i8" for the int8 block
+    format (stored as bytes, `codec.residual_dtype`), else `kernel_name`."""
+    return "i8" if np.dtype(dtype).itemsize == 1 else kernel_name(dtype)

@@ -31,7 +31,6 @@ from .peer_memory import (LL_MAX_BYTES, LL_WORDS, MAX_RANKS, ONE_SHOT_TILE, Peer
                           one_shot_tiles)
 
 DEFAULT_MAX_BYTES = 4 << 30
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 
 def available(comm, device_id: int, allgather, enabled: bool = True) -> bool:
@@ -195,7 +194,7 @@ class FusedPaths:
         return self._one_shot_run(x, out, T, region), self._current(region)
 
     def _one_shot_run(self, x, out, T, region):
-        t = _SHORT[dtypes.canonical(x.dtype)]
+        t = dtypes.kernel_name(x.dtype)
         if x.nbytes <= LL_MAX_BYTES and not (x.data.ptr | out.data.ptr) & 3:
             words = -(-x.nbytes // 4)
             return _Launch(Kernel("one_shot_ll", t), -(-words // BLOCK),
@@ -229,10 +228,10 @@ class FusedPaths:
 def _types(x, state):
     """(input type, residual type, res_in pointer, res_out pointer) of a fused kernel's name and
     arguments (residuals "f32" and null pointers without feedback)."""
-    t = _SHORT[dtypes.canonical(x.dtype)]
+    t = dtypes.kernel_name(x.dtype)
     if state is None:
         return t, "f32", 0, 0
-    r = "i8" if state.inputs.dtype.itemsize == 1 else _SHORT[dtypes.canonical(state.inputs.dtype)]
+    r = dtypes.residual_kernel_name(state.inputs.dtype)
     return t, r, state.inputs.data.ptr, state.output.data.ptr
 
 

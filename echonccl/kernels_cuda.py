@@ -16,13 +16,6 @@ from . import codec, dtypes, kernel_loader
 from . import kernel_table as kt
 from .kernel_table import BLOCK, ELEMS_PER_THREAD
 
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-
-
-def _short(dtype) -> str:
-    return _SHORT[dtypes.canonical(dtype)]
-
-
 # ------------------------------------------------------------------------ geometry
 class Geometry(NamedTuple):
     """Sizes and grid sizes of one layout on one device (`CudaKernels._geom`)."""
@@ -87,12 +80,12 @@ class CudaKernels:
     # -- kernel lookup ---------------------------------------------------------
     def _rq_kernel(self, key):
         in_dt, res_dt, ref_dt, codec_name = key
-        i = _short(in_dt)
+        i = dtypes.kernel_name(in_dt)
         if res_dt is None:
             r = f = "f32"  # feedback off: any instantiation; the residual pointer is null
         else:
-            r = "i8" if np.dtype(res_dt) == np.uint8 else _short(res_dt)
-            f = _short(np.dtype(ref_dt))
+            r = dtypes.residual_kernel_name(res_dt)
+            f = dtypes.kernel_name(np.dtype(ref_dt))
             if r not in ("f32", i, "i8") or f not in ("f32", i):
                 raise TypeError(f"reduce_quantize: residual {res_dt} must be float32, the input dtype {in_dt} "
                                 f"or uint8 (the int8 block format), ref {ref_dt} float32 or {in_dt}")
@@ -102,7 +95,7 @@ class CudaKernels:
 
     def _dq_kernel(self, key):
         out_dt, codec_name, summed = key
-        t = _short(out_dt)
+        t = dtypes.kernel_name(out_dt)
         k = (kernel_loader.function(kt.Kernel("dequantize_sum" if summed else "dequantize", t, codec_name).name),
              1 if summed else kt.DQ_UNROLL[t])
         self._dq[key] = k

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from echonccl import codec, kernel_loader
+from echonccl import codec, dtypes, kernel_loader
 from echonccl import kernel_table as kt
 
 
@@ -87,6 +87,21 @@ def test_table_agrees_with_the_codec():
     ids = dict(re.findall(r"(kInt\w+) = (\d)", wire))
     assert ids == {"kInt4": "0", "kInt4H32": "1", "kInt7H32": "2"}
     assert [kt.CODECS[c][0] for c in ("int4", "int4-h32", "int7-h32")] == [0, 1, 2]
+
+
+def test_dtype_names_are_the_tables():
+    """The launch code names kernels through `dtypes`: every data dtype's name is one of the
+    table's, and every residual format `Feedback` stores is one the table lists for it."""
+    assert sorted(dtypes.kernel_name(n) for n in dtypes.SUPPORTED) == sorted(kt.DTYPES)
+    for name, dt in dtypes.SUPPORTED.items():
+        t = dtypes.kernel_name(dt)
+        for fmt in codec.RESIDUAL_FORMATS:
+            r = dtypes.residual_kernel_name(codec.residual_dtype(fmt, dt))
+            assert r in (t, "f32", "i8") and (r != "i8" or fmt in ("int8", "auto"))
+    assert dtypes.residual_kernel_name(codec.residual_dtype("auto", dtypes.numpy_dtype("bfloat16"))) == "i8"
+    assert dtypes.residual_kernel_name(codec.residual_dtype("auto", dtypes.numpy_dtype("float32"))) == "f32"
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        dtypes.kernel_name("int32")
 
 
 def test_source_has_one_line_per_kernel_and_the_launch_constants():

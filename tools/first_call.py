@@ -40,7 +40,7 @@ def first_call_kernels() -> tuple[str, ...]:
 
     d = codec.DEFAULT_CODEC
     contributions, sums = codec.parts(d)
-    res = "i8" if codec.residual_dtype(DEFAULT_RESIDUAL, dtypes.numpy_dtype("bfloat16")).itemsize == 1 else "bf16"
+    res = dtypes.residual_kernel_name(codec.residual_dtype(DEFAULT_RESIDUAL, dtypes.numpy_dtype("bfloat16")))
     ref = "bf16" if DEFAULT_ROUNDING else "f32"     # the owner's reference: the output's type, or float32
     return (kt.Kernel("two_shot", "bf16", d, res, "" if DEFAULT_ROUNDING else "f32", whole=True).name,
             kt.Kernel("one_shot_ll", "bf16").name, kt.Kernel("one_shot", "bf16").name,
