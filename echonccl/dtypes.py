@@ -52,5 +52,6 @@ def kernel_name(dtype) -> str:
 
 def residual_kernel_name(dtype) -> str:
     """The name `kernel_table` gives a residual store of ``dtype``: "i8" for the int8 block
-    format (stored as bytes, `codec.residual_dtype`), else `kernel_name`."""
-    return "i8" if np.dtype(dtype).itemsize == 1 else kernel_name(dtype)
+    format (stored as uint8, `codec.residual_dtype`), else `kernel_name` (`TypeError` for any
+    other type)."""
+    return "i8" if np.dtype(dtype) == np.uint8 else kernel_name(dtype)

@@ -102,6 +102,8 @@ def test_dtype_names_are_the_tables():
     assert dtypes.residual_kernel_name(codec.residual_dtype("auto", dtypes.numpy_dtype("float32"))) == "f32"
     with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
         dtypes.kernel_name("int32")
+    with pytest.raises(TypeError):
+        dtypes.residual_kernel_name("int8")     # one byte, but not the block format's storage
 
 
 def test_source_has_one_line_per_kernel_and_the_launch_constants():
