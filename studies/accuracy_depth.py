@@ -50,6 +50,7 @@ import reducers  # noqa: E402  (studies/, beside this script)
 from plots import panels_per_codec  # noqa: E402
 
 from echonccl.codec import CODECS, DEFAULT_CODEC, RESIDUAL_FORMATS  # noqa: E402
+from echonccl.feedback import DEFAULT_RESIDUAL  # noqa: E402
 
 ECHO_MAX_GROWTH, PLAIN_MIN_GROWTH = 1.5, 5.0
 VARIANTS = (("plain", "two_shot", False), ("two_shot", "two_shot", True), ("ring", "ring", True),
@@ -64,9 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--engine", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the terms handed to echonccl")
-    p.add_argument("--residual-dtype", choices=RESIDUAL_FORMATS, default="input",
-                   help="format of the feedback residuals (default input: --dtype, what ACCURACY.md's "
-                   "tables measured; the library's default is auto)")
+    p.add_argument("--residual-dtype", choices=RESIDUAL_FORMATS, default=DEFAULT_RESIDUAL,
+                   help=f"format of the feedback residuals (default {DEFAULT_RESIDUAL}, the library's; "
+                   "input: --dtype)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--shared", type=float, default=1.0, help="scale of the per-rank shared component")

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 
 import reducers  # noqa: E402  (studies/, beside this script)
 from echonccl.codec import CODECS, DEFAULT_CODEC, RESIDUAL_FORMATS  # noqa: E402
+from echonccl.feedback import DEFAULT_RESIDUAL  # noqa: E402
 import smollm2  # noqa: E402
 import tp_llama as tl  # noqa: E402
 from plots import panels_per_codec  # noqa: E402
@@ -76,9 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--text", choices=["lee", "wiki"], default="lee",
                    help="lee: the Lee news corpus; wiki: English Wikipedia lead sections (both read out of "
                         "the gensim distribution and cached; studies/corpus.py)")
-    p.add_argument("--residual-dtype", choices=RESIDUAL_FORMATS, default="input",
-                   help="format of the feedback residuals (default input: the --dtype handed to echonccl, "
-                   "what this page's tables measured; the library's default is auto)")
+    p.add_argument("--residual-dtype", choices=RESIDUAL_FORMATS, default=DEFAULT_RESIDUAL,
+                   help=f"format of the feedback residuals (default {DEFAULT_RESIDUAL}, the library's; "
+                   "input: the --dtype handed to echonccl)")
     p.add_argument("--quick", action="store_true", help="CI size: 2 sequences x 64 tokens, one codec")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the residual stream's error after each all-reduce")

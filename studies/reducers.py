@@ -19,6 +19,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from echonccl.feedback import DEFAULT_RESIDUAL
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -62,7 +64,7 @@ class Echo:
     """
 
     def __init__(self, comm, algorithm: str = "two_shot", feedback: bool = True, dtype: str = "bfloat16",
-                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0, residual_dtype: str = "input"):
+                 rounds: int = 1, flush: bool = False, calls_per_pass: int = 0, residual_dtype: str = DEFAULT_RESIDUAL):
         self.comm, self.algorithm, self.rounds = comm, algorithm, rounds
         self.flush, self.calls_per_pass, self.calls = flush, calls_per_pass, 0
         self.dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
