@@ -481,10 +481,16 @@ __device__ __forceinline__ void reduce_quantize_loop16(const RqArgs<T, ResT, flo
             if constexpr (kI8) {
                 u32 sx = i8_scale_exp(scale, finite);
                 if constexpr (G == 16) sx = max(sx, __shfl_xor_sync(0xffffffffu, sx, 1));   // the block's two groups
-                res16_store<W::kBf16Scale>(i8_run(residual, u - lane), sx, [&](int i) {
-                    const float d = sub_rn(acc[i >> 3][i & 7], e[i >> 3][i & 7]);
-                    return plain || (finite && is_finite(d)) ? d : 0.0f;
-                });
+                if constexpr (W::kBf16Scale) {   // a finite group's d is never NaN (acc and e are not)
+                    res16_store<true>(i8_run(residual, u - lane), sx, [&](int i) {
+                        return sub_rn(acc[i >> 3][i & 7], e[i >> 3][i & 7]);
+                    }, !finite);
+                } else {
+                    res16_store<false>(i8_run(residual, u - lane), sx, [&](int i) {
+                        const float d = sub_rn(acc[i >> 3][i & 7], e[i >> 3][i & 7]);
+                        return plain || (finite && is_finite(d)) ? d : 0.0f;
+                    });
+                }
             } else {
                 uint4 rw[2];
 #pragma unroll

@@ -139,14 +139,16 @@ __device__ __forceinline__ void res16_add(const uint4* r, int k, float (&acc)[8]
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = fma_rn(i8_mant(i < 4 ? wx : wy, i & 3), mul, acc[i]);
 }
-// This lane's 16 finite residuals e(i), i < 16, stored at p (the warp's 528 bytes; every lane calls
+// This lane's 16 residuals e(i), i < 16, stored at p (the warp's 528 bytes; every lane calls
 // it together); scale_exp: S of the lane's 32-element block (`i8_scale_exp`, the larger of the
-// lane pair's). kScaleBound: every |e| < 2^(S - 127) (a rotated codec's residual of the fl(q * scale)
-// it quantized: codec.py, "Residuals"), so x = max(S, 7) and no mantissa needs the clip. Otherwise
-// e is evaluated twice an element (for the block's exponent, then its mantissa), so that the 16
-// values need not be held at once.
+// lane pair's). kScaleBound: every finite |e| < 2^(S - 127) (a rotated codec's residual of the
+// fl(q * scale) it quantized: codec.py, "Residuals"), so x = max(S, 7) and no mantissa needs the
+// clip; an infinite e encodes as 0 (fl(+-inf * mul + 1.5 * 2^23)'s low byte), the value a non-finite
+// residual stores, and `zero` stores 0 for all 16 (a non-finite group: NaN must not reach the
+// encoder, whose low byte of NaN is not 0). Otherwise e is finite, evaluated twice an element (for
+// the block's exponent, then its mantissa), so that the 16 values need not be held at once.
 template <bool kScaleBound, typename E>
-__device__ __forceinline__ void res16_store(unsigned char* p, u32 scale_exp, const E& e) {
+__device__ __forceinline__ void res16_store(unsigned char* p, u32 scale_exp, const E& e, bool zero = false) {
     const int lane = threadIdx.x & 31;
     u32 x;
     if constexpr (kScaleBound) {
@@ -163,7 +165,10 @@ __device__ __forceinline__ void res16_store(unsigned char* p, u32 scale_exp, con
     auto enc = [&](int i) { return kScaleBound ? i8_encode(e(i), mul) : i8_encode_clip(e(i), mul); };
     u32 w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = i8_pack4(enc(4 * k), enc(4 * k + 1), enc(4 * k + 2), enc(4 * k + 3));
+    for (int k = 0; k < 4; ++k) {
+        w[k] = i8_pack4(enc(4 * k), enc(4 * k + 1), enc(4 * k + 2), enc(4 * k + 3));
+        if constexpr (kScaleBound) w[k] = zero ? 0u : w[k];
+    }
     reinterpret_cast<uint4*>(p)[lane] = make_uint4(w[0], w[1], w[2], w[3]);
     if ((lane & 1) == 0) p[512 + (lane >> 1)] = (unsigned char)x;
 }
