@@ -10,12 +10,19 @@ Each kernel runs with the fused kernels' launch shape (256 threads, 3 blocks a S
 rank's HBM, 40 MB copied). Flag modes: 0 none, 1 ``st.release.sys`` (the fused kernels'), 2
 ``st.release.gpu``, 3 ``st.relaxed.sys`` (no ordering: a floor), 9 an ``ld.acquire.sys`` wait on a
 flag that is already set, then 1 (an owner's item). Times: per call, CUDA events around each launch
-(medians of ``--iters``, the launches queued behind a spin kernel, as `fused_solo`), and back to
-back (one event pair around ``--iters`` launches, over ``--iters``).
+(medians of ``--iters``, the launches queued behind a spin kernel, as `fused_solo`), back to
+back (one event pair around ``--iters`` launches, over ``--iters``), and the same in a CUDA graph
+(one replay of ``--iters`` launches, median of 5, over ``--iters``).
+
+``--pdl``: the copy also as a programmatic dependent launch (``cuLaunchKernelEx`` with
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``; the kernel waits on its predecessor by
+``griddepcontrol.wait``, then lets its successor launch), each launch a +1 of the previous one's
+output, checked after the run: whether launching the next call early hides the launch gap.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 
 import numpy as np
@@ -24,6 +31,16 @@ from fused_solo import _Solo, per_launch_us
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_empty(long long a) {}
+
+extern "C" __global__ void __launch_bounds__(256, 3) ticket_pdl_add(const uint4* __restrict__ src,
+                                                                   uint4* __restrict__ dst, long long n) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < n; i += (long long)gridDim.x * 256) {
+        uint4 v = src[i];
+        dst[i] = make_uint4(v.x + 1, v.y + 1, v.z + 1, v.w + 1);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_copy(const uint4* __restrict__ src,
                                                                 uint4* __restrict__ dst, long long n) {
@@ -77,6 +94,36 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* _
 """
 MODES = (0, 1, 2, 3, 9)
 MAX_ITEMS = 32768
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID (cuda.h)
+
+
+class _Attr(ctypes.Structure):      # CUlaunchAttribute: id, padding, a 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):    # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("nattrs", ctypes.c_uint)]
+
+
+def launch_ex(fn, grid: int, args, pdl: bool):
+    """``f(stream)``: ``cuLaunchKernelEx`` of cupy RawKernel ``fn`` (grid x 256) with 8-byte
+    ``args`` packed once, as a programmatic dependent launch where ``pdl``."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    vals = (ctypes.c_int64 * len(args))(*[int(v) for v in args])
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(vals) + 8 * i for i in range(len(args))])
+    attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+
+    def f(stream) -> None:
+        cfg = _Config((grid, 1, 1), (256, 1, 1), 0, stream.ptr, ctypes.pointer(attr) if pdl else None, int(pdl))
+        err = cu.cuLaunchKernelEx(ctypes.byref(cfg), fn.kernel.ptr, params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx: CUresult {err}")
+
+    f.keep = (vals, params, attr)
+    return f
 
 
 def main(argv=None) -> int:
@@ -84,14 +131,17 @@ def main(argv=None) -> int:
     p.add_argument("--mb", nargs="+", type=int, default=[40, 160], help="MiB copied per call")
     p.add_argument("--items", nargs="+", type=int, default=[396, 768, 1536, 3072])
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--pdl", action="store_true", help="the copy as a programmatic dependent launch too")
     a = p.parse_args(argv)
+    if a.pdl and a.iters % 2:
+        p.error("--pdl: --iters must be even (a graph's replays alternate the two buffers)")
     if any(not 1 <= n <= MAX_ITEMS for n in a.items):
         p.error(f"--items: 1 to {MAX_ITEMS}")
 
     import cupy as cp
 
     mod = cp.RawModule(code=SOURCE)
-    empty, copy, items = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items"))
+    empty, copy, items, add = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items", "pdl_add"))
     spin = _Solo().spin            # holds the stream while the host queues the launches
     grid = 3 * cp.cuda.Device().attributes["MultiProcessorCount"]
     stream = cp.cuda.get_current_stream()
@@ -111,9 +161,30 @@ def main(argv=None) -> int:
         y.synchronize()
         return cp.cuda.get_elapsed_time(x, y) * 1e3 / a.iters
 
+    def graph(f) -> float:
+        side = cp.cuda.Stream(non_blocking=True)
+        with side:
+            side.begin_capture()
+            try:
+                for _ in range(a.iters):
+                    f()
+            finally:
+                g = side.end_capture()
+            g.launch(side)
+            times = []
+            for _ in range(5):
+                x, y = cp.cuda.Event(), cp.cuda.Event()
+                x.record(side)
+                g.launch(side)
+                y.record(side)
+                y.synchronize()
+                times.append(cp.cuda.get_elapsed_time(x, y) * 1e3 / a.iters)
+        return float(np.median(times))
+
     ctl = cp.zeros(4, dtype=cp.uint32)
     flags = cp.full(2 * MAX_ITEMS, 0xFFFFFFFF, dtype=cp.uint32)
     rows = [("empty launch", lambda: empty((grid,), (256,), (np.int64(0),)))]
+    checks = []
     for mb in a.mb:
         n = (mb << 20) // 16
         src, dst = cp.ones(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
@@ -123,11 +194,30 @@ def main(argv=None) -> int:
                 rows.append((f"{mb} MiB, {ni} items, flag mode {mode}",
                              lambda s=src, d=dst, n=n, ni=ni, m=mode:
                              items((grid,), (256,), (s, d, np.int64(n), np.int64(ni), ctl, flags, np.int64(m)))))
+        if a.pdl:
+            for pdl in (False, True):
+                u, v = cp.zeros(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
+                ping, pong = (launch_ex(add, grid, (s.data.ptr, d.data.ptr, n), pdl) for s, d in ((u, v), (v, u)))
+                state = {"k": 0}
+
+                def step(ping=ping, pong=pong, state=state) -> None:
+                    (ping if state["k"] % 2 == 0 else pong)(cp.cuda.get_current_stream())
+                    state["k"] += 1
+                rows.append((f"+1 {mb} MiB, {'programmatic dependent launch' if pdl else 'cuLaunchKernelEx'}", step))
+                checks.append((mb, pdl, u, v, state))
     print(f"# ticketed items, grid {grid} x 256")
-    print("| case | per call, us | back to back, us |\n|---|---:|---:|")
+    print("| case | per call, us | back to back, us | CUDA graph, us |\n|---|---:|---:|---:|")
     for name, f in rows:
-        print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} |", flush=True)
-    return 0
+        print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} | {graph(f):.2f} |", flush=True)
+    bad = 0
+    for mb, pdl, u, v, state in checks:    # every launch added 1 to what the one before it wrote
+        cp.cuda.Device().synchronize()
+        k = state["k"] + 5 * a.iters     # the graph's calls: captured once, replayed 6 times
+        last = (v if k % 2 else u).get()
+        ok = bool((last == k).all())
+        bad += not ok
+        print(f"# +1 chain, {mb} MiB, pdl={pdl}: {'ok' if ok else 'WRONG'} ({last[0]} after {k} launches)")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
