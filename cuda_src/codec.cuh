@@ -12,10 +12,9 @@
 //    fabsf/fmaxf would then flush subnormals and break bit-exactness for fp32
 //    subnormal inputs. With asm the result is the same under nvcc
 //    (-ftz=false --fmad=false) and under CuPy's NVRTC.
-//  * q = clip(rint(fl(v / scale)), -L, L) (L = 7; int7-h32: 63) is computed without a division per
-//    element where that is provably identical (see the quantize step below):
-//    fl(v * fl(1/scale)) rounded with the 1.5*2^23 trick, falling back to the
-//    IEEE division when the quotient is within 2^-16 of a half-integer.
+//  * q = rint(fl(v * fl(1/scale))) for a normal scale, as codec.py defines it: one multiply
+//    an element, rounded with the 1.5*2^23 trick; clip(rint(fl(v / scale)), -L, L) (L = 7;
+//    int7-h32: 63) by IEEE division for a subnormal one (quantize_values).
 //    Codes are decoded to floats by bit tricks, not int->float conversions.
 //  * |v|, max, isfinite and ==0 are integer operations on the IEEE bits
 //    (again FTZ-immune; for non-negative floats the unsigned order of the
