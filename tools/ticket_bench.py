@@ -48,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_copy(const uint4* __
         dst[i] = src[i];
 }
 
-// ctl: {epoch, ticket}; flags: [0, 32768) published, [32768, ...) waited on (all ones: set).
+// ctl: {epoch, ticket, done}; flags: [0, 32768) published, [32768, ...) waited on (all ones: set).
 extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* __restrict__ src,
                                                                  uint4* __restrict__ dst, long long n,
                                                                  long long nitems, unsigned* ctl,
@@ -83,8 +83,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* _
             else if (m == 3) asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(flags + it), "r"(epoch) : "memory");
         }
     }
-    if (threadIdx.x == 0 && s_item == nitems + gridDim.x - 1) {   // the call's last ticket (end_call)
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctl + 2, 1u) == gridDim.x - 1) {
         ctl[1] = 0;
+        ctl[2] = 0;
         ctl[0] = epoch;
     }
 }
