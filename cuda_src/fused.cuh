@@ -143,7 +143,7 @@ __device__ __forceinline__ void fused_two_shot_body(const T* x, i64 x_n, T* out,
                                                                           accumulate);
         }
     }
-    end_call(ctl, epoch, &s_item, 2 * n1 + T_);
+    end_call(ctl, epoch);
 }
 
 // The one-shot quantized all-reduce (echonccl/schedules/one_shot_q.py): every rank quantizes its
@@ -195,7 +195,7 @@ __device__ __forceinline__ void fused_one_shot_q_body(const T* x, i64 x_n, T* ou
             phase_decode_sum<T, G, kCodec, kWhole>(Terms{my_push, part, P}, out, count, S, v, j, T_, accumulate);
         }
     }
-    end_call(ctl, epoch, &s_item, 2 * n1);
+    end_call(ctl, epoch);
 }
 
 }  // namespace echo

@@ -2,7 +2,7 @@
 // tickets and epochs through which the ranks' blocks meet (fused.cuh, fused_one_shot.cuh).
 //
 // Registered region of one rank (peer_memory.Region; every rank maps every other's):
-//   ctl    : Ctl (epoch, ticket, unused, error), local use only
+//   ctl    : Ctl (epoch, ticket, done, error), local use only
 //   flags  : u32 [(P - 1) recv slots + P gather slots][max_tiles]
 //   recv   : (P - 1) wire slices, source s in slot s < rank ? s : s - 1   (two_shot's peers_in)
 //   gather : P wire slices, owner s in slot s (two_shot's gather; a two-shot leaves its own slot)
@@ -13,8 +13,8 @@
 // recv at once (the peer read the last call's recv before it sent what let this rank finish it)
 // and gather only after the peer's contribution to this call; the one-shots, whose readers read
 // until the end of their call, write at once into the push half of the call's epoch parity.
-// The block that draws a ticketed call's last ticket resets the ticket and advances the epoch
-// (stored on the device, so CUDA-graph replays count calls too). A wait that exceeds timeout_ns sets ctl->error
+// The last block of a ticketed call to finish resets the ticket and advances the epoch (stored on
+// the device, so CUDA-graph replays count calls too). A wait that exceeds timeout_ns sets ctl->error
 // and gives up (the host raises PeerTimeoutError; the output is then undefined).
 #ifndef ECHO_FUSED_SYNC_CUH
 #define ECHO_FUSED_SYNC_CUH
@@ -28,7 +28,7 @@ constexpr int kMaxRanks = 8;
 struct Ctl {
     unsigned int epoch;
     unsigned int ticket;
-    unsigned int unused;
+    unsigned int done;
     unsigned int error;
 };
 
@@ -101,20 +101,16 @@ __device__ __forceinline__ CallStart begin_call(const Ctl* ctl, u64 timeout_ns, 
     return CallStart{s_epoch, s_deadline};
 }
 
-// The end of a ticketed call (every thread; *s_item the block's last ticket, `items` the call's work
-// items). Every block draws exactly one ticket past the work, so the block that draws
-// items + gridDim.x - 1 is the last to run out of work: it resets the ticket and publishes the
+// The end of a ticketed call: the last block to finish resets the ticket and publishes the
 // epoch, for the next launch on this stream, which sees them as a kernel sees its stream
-// predecessor's stores: no fence (two fences here cost about 0.8 us a call) and no count of the
-// blocks done (an atomic less on the last block's way out). A block that left its item loop on a
-// failed wait draws past the work first (the items it draws stay undone: the call has failed), so
-// the reset happens all the same.
-__device__ __forceinline__ void end_call(Ctl* ctl, unsigned int epoch, const long long* s_item, long long items) {
+// predecessor's stores: no fence (two fences here cost about 0.8 us a call). Every block had its
+// last ticket's value before it counted itself done, so no ticket is taken after the reset.
+__device__ __forceinline__ void end_call(Ctl* ctl, unsigned int epoch) {
+    __syncthreads();
     if (threadIdx.x == 0) {
-        long long t = *s_item;
-        while (t < items) t = (long long)atomicAdd(&ctl->ticket, 1u);
-        if (t == items + gridDim.x - 1) {
+        if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
             ctl->ticket = 0;
+            ctl->done = 0;
             ctl->epoch = epoch;
         }
     }

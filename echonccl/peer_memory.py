@@ -8,7 +8,7 @@ memory would tie the kernels to the device-API headers of the NCCL loaded at run
 
 Region layout (offsets 256-byte aligned; ``cuda_src/fused_sync.cuh`` reads the same)::
 
-    ctl     256 B: epoch, ticket, unused, error (u32 each; local use)
+    ctl     256 B: epoch, ticket, done, error (u32 each; local use)
     epochs  u32[LL_BLOCKS]: the low-latency one-shot's per-block epochs (local use)
     flags   u32[(P - 1) + P][max_tiles]: recv slots, then gather slots
     recv    (P - 1) x slice_bytes: the contributions of the other ranks (two_shot's peers_in)

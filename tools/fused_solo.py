@@ -211,7 +211,7 @@ class SoloRegion:
         return int(self.ctl_words()[3])
 
     def ctl_words(self) -> np.ndarray:
-        """Rank 0's Ctl (epoch, ticket, unused, error) on the host; synchronous."""
+        """Rank 0's Ctl (epoch, ticket, done, error) on the host; synchronous."""
         w = self.bufs[0][:16].view(self.xp.uint32)
         return np.asarray(w.get() if hasattr(w, "get") else w)
 

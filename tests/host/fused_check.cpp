@@ -176,9 +176,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < P; ++r) {
         const Rank& k = ranks[r];
         if (k.ctl->error) std::printf("rank %d: a wait timed out\n", r), ++failed;
-        if (ticketed && (k.ctl->ticket || k.ctl->epoch != (unsigned)calls))
-            std::printf("rank %d: ctl after %d calls: epoch %u ticket %u\n", r, calls, k.ctl->epoch, k.ctl->ticket),
-                ++failed;
+        if (ticketed && (k.ctl->ticket || k.ctl->done || k.ctl->epoch != (unsigned)calls))
+            std::printf("rank %d: ctl after %d calls: epoch %u ticket %u done %u\n", r, calls, k.ctl->epoch,
+                        k.ctl->ticket, k.ctl->done), ++failed;
         for (int b = 0; !ticketed && b < blocks; ++b)
             if (k.block_epochs[b] != (unsigned)calls)
                 std::printf("rank %d: block %d's epoch %u after %d calls\n", r, b, k.block_epochs[b], calls), ++failed;
