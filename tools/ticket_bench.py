@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import sys
 
 import numpy as np
@@ -106,11 +107,17 @@ class _Config(ctypes.Structure):    # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("nattrs", ctypes.c_uint)]
 
 
+@functools.cache
+def _driver():
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    return cu
+
+
 def launch_ex(fn, grid: int, args, pdl: bool):
     """``f(stream)``: ``cuLaunchKernelEx`` of cupy RawKernel ``fn`` (grid x 256) with 8-byte
     ``args`` packed once, as a programmatic dependent launch where ``pdl``."""
-    cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    cu = _driver()
     vals = (ctypes.c_int64 * len(args))(*[int(v) for v in args])
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(vals) + 8 * i for i in range(len(args))])
     attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
@@ -210,8 +217,8 @@ def main(argv=None) -> int:
     for name, f in rows:
         print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} | {graph(f):.2f} |", flush=True)
     bad = 0
+    cp.cuda.Device().synchronize()
     for mb, pdl, u, v, state in checks:    # every launch added 1 to what the one before it wrote
-        cp.cuda.Device().synchronize()
         k = state["k"] + 5 * a.iters     # the graph's calls: captured once, replayed 6 times
         last = (v if k % 2 else u).get()
         ok = bool((last == k).all())
