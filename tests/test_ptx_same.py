@@ -58,9 +58,11 @@ def test_against_a_copy(tmp_path, capsys):
     ignore = shutil.ignore_patterns("prebuilt", "__pycache__")
     shutil.copytree(ROOT / "echonccl", copy / "echonccl", ignore=ignore)
     shutil.copytree(ROOT / "cuda_src", copy / "cuda_src")
-    one = ["--kernels", "whole", "--match", "two_shot_bf16_resbf16"]
+    one = ["--kernels", "whole", "--match", "two_shot_bf16_resi8_int4_h32_int7_h32_ref32_whole"]   # the default
     fused = copy / "cuda_src" / "fused.cuh"
     fused.write_text("// a comment the PTX does not keep\n" + fused.read_text())
+    with pytest.raises(SystemExit, match="no prebuilt fused kernel"):
+        ptx_same.main([str(copy), "--match", "no_such_kernel"])
     assert ptx_same.main([str(copy), *one]) == 0
     same = re.search(r"# (\d+) of (\d+) kernels the same PTX", capsys.readouterr().out)
     assert same and same[1] == same[2] != "0"

@@ -10,8 +10,8 @@ names (a template parameter added with its default changes them) and virtual reg
 renumbered in order of first use. "same" then means the same instructions in the same order, so
 ptxas makes the same SASS of them: a time measured on one checkout's kernel stands for the other's.
 Prints a line a kernel (same, or how many lines differ with register numbers erased: about how
-many instructions changed) and exits 1 if any differ. nvcc runs through `echonccl.build.nvcc_run`
-(cached under ``ECHONCCL_DEV_NVCC_CACHE`` when set).
+many instructions changed) and exits 1 if any differ, with a message if none matches. nvcc runs
+through `echonccl.build.nvcc_run` (cached under ``ECHONCCL_DEV_NVCC_CACHE`` when set).
 This checkout is the one the script lies in.
 """
 from __future__ import annotations
@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     names = sorted(n for n in set(mine["units"]) & set(other["units"]) if a.match in n)
     if a.kernels != "all":
         names = [n for n in names if ("_whole" in n) == (a.kernels == "whole")]
+    if not names:
+        raise SystemExit(f"ptx_same: no prebuilt fused kernel of both checkouts matches --kernels {a.kernels} "
+                         f"--match {a.match!r}")
     only = sorted(set(mine["units"]) ^ set(other["units"]))
 
     def compare(name):
