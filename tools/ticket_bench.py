@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the fused kernels' work items cost apart from their bytes, on one GPU: an empty launch, a
 streaming copy, and the same copy cut into items taken from one atomic ticket (the fused kernels'
-`next_item`), each item ending in a flag published one of four ways.
+`next_item`), each item ending in a flag published one of several ways.
 
     python tools/ticket_bench.py [--mb 40 160] [--items 396 768 1536 3072] [--iters 50]
 
@@ -9,7 +9,10 @@ Each kernel runs with the fused kernels' launch shape (256 threads, 3 blocks a S
 ``--mb`` is the bytes copied (read and written: a 16 MiB all-reduce moves about 80 MB through one
 rank's HBM, 40 MB copied). Flag modes: 0 none, 1 ``st.release.sys`` (the fused kernels'), 2
 ``st.release.gpu``, 3 ``st.relaxed.sys`` (no ordering: a floor), 9 an ``ld.acquire.sys`` wait on a
-flag that is already set, then 1 (an owner's item). Times: per call, CUDA events around each launch
+flag that is already set, then 1 (an owner's item); 16 and 17 as 0 and 1 with no block barrier an
+item (the warps walk the items on their own and take turns publishing: `ticket_items_warps`). After
+each items row one more call into a cleared output is checked: every element copied, every flag
+published. Times: per call, CUDA events around each launch
 (medians of ``--iters``, the launches queued behind a spin kernel, as `fused_solo`), back to
 back (one event pair around ``--iters`` launches, over ``--iters``), and the same in a CUDA graph
 (one replay of ``--iters`` launches, median of 5, over ``--iters``).
@@ -92,8 +95,79 @@ extern "C" __global__ void __launch_bounds__(256, 3) ticket_items(const uint4* _
     }
 }
 
+
+__device__ __forceinline__ unsigned ld_acquire_cta(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.cta.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_cta(unsigned* p, unsigned v) {
+    asm volatile("st.release.cta.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void add_release_cta(unsigned* p, unsigned v) {
+    asm volatile("red.release.cta.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Modes 16 (no flag) and 17 (st.release.sys): the same items with no block barrier an item. The
+// warps walk the block's items in order q = 0, 1, ...: warp q % 8 takes item q's ticket and posts it
+// in ring slot q % 16, every warp copies its share and counts itself done there, and warp q % 8
+// then waits for the 8 counts and publishes the item's flag: a system-scope release stalls one
+// warp, and each warp in turn, instead of the whole block every item.
+extern "C" __global__ void __launch_bounds__(256, 3) ticket_items_warps(const uint4* __restrict__ src,
+                                                                       uint4* __restrict__ dst, long long n,
+                                                                       long long nitems, unsigned* ctl,
+                                                                       unsigned* flags, long long mode) {
+    constexpr unsigned R = 16;
+    __shared__ long long s_item[R];
+    __shared__ unsigned s_seq[R];    // 2q + 1: item q posted; 2q + 2: item q done, its flag published
+    __shared__ unsigned s_cnt[R];    // warps done with the slot's item
+    __shared__ unsigned s_epoch;
+    if (threadIdx.x < R) {
+        s_seq[threadIdx.x] = 0;
+        s_cnt[threadIdx.x] = 0;
+    }
+    if (threadIdx.x == 0) s_epoch = *(volatile unsigned*)ctl + 1u;
+    __syncthreads();
+    const unsigned epoch = s_epoch, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long per = n / nitems;
+    for (unsigned q = 0;; ++q) {
+        const unsigned slot = q % R;
+        const bool mine = q % 8 == warp;
+        if (lane == 0) {
+            if (mine) {
+                if (q >= R)
+                    while (ld_acquire_cta(&s_seq[slot]) != 2 * (q - R) + 2) {}
+                s_item[slot] = atomicAdd(ctl + 1, 1u);
+                st_release_cta(&s_seq[slot], 2 * q + 1);
+            } else {
+                while (ld_acquire_cta(&s_seq[slot]) < 2 * q + 1) {}
+            }
+        }
+        __syncwarp();
+        const long long it = s_item[slot];
+        if (it >= nitems) break;
+        for (long long i = it * per + threadIdx.x; i < (it + 1) * per; i += 256) dst[i] = src[i];
+        __syncwarp();
+        if (lane == 0) {
+            add_release_cta(&s_cnt[slot], 1u);
+            if (mine) {
+                while (ld_acquire_cta(&s_cnt[slot]) != 8u) {}
+                s_cnt[slot] = 0;
+                if (mode & 1)
+                    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flags + it), "r"(epoch) : "memory");
+                st_release_cta(&s_seq[slot], 2 * q + 2);
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctl + 2, 1u) == gridDim.x - 1) {
+        ctl[1] = 0;
+        ctl[2] = 0;
+        ctl[0] = epoch;
+    }
+}
 """
-MODES = (0, 1, 2, 3, 9)
+MODES = (0, 1, 2, 3, 9, 16, 17)
 MAX_ITEMS = 32768
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID (cuda.h)
 
@@ -133,6 +207,20 @@ def launch_ex(fn, grid: int, args, pdl: bool):
     return f
 
 
+def _items_right(cp, mb, ni, mode, dst, words, f, ctl, flags) -> bool:
+    """One more call of an items row into a cleared ``dst``: the ``words`` its items cover copied,
+    and in the modes that publish, every item's flag at the call's epoch."""
+    dst.fill(0)
+    f()
+    cp.cuda.Device().synchronize()
+    ok = bool((dst[:words] == 1).all())
+    if (mode & 7) in (1, 2, 3):
+        ok &= bool((flags[:ni] == ctl[0]).all())
+    if not ok:
+        print(f"# {mb} MiB, {ni} items, flag mode {mode}: WRONG (elements or flags)")
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", nargs="+", type=int, default=[40, 160], help="MiB copied per call")
@@ -148,7 +236,8 @@ def main(argv=None) -> int:
     import cupy as cp
 
     mod = cp.RawModule(code=SOURCE)
-    empty, copy, items, add = (mod.get_function(f"ticket_{n}") for n in ("empty", "copy", "items", "pdl_add"))
+    empty, copy, items, items_warps, add = (mod.get_function(f"ticket_{n}")
+                                            for n in ("empty", "copy", "items", "items_warps", "pdl_add"))
     spin = _Solo().spin            # holds the stream while the host queues the launches
     grid = 3 * cp.cuda.Device().attributes["MultiProcessorCount"]
     stream = cp.cuda.get_current_stream()
@@ -192,15 +281,18 @@ def main(argv=None) -> int:
     flags = cp.full(2 * MAX_ITEMS, 0xFFFFFFFF, dtype=cp.uint32)
     rows = [("empty launch", lambda: empty((grid,), (256,), (np.int64(0),)))]
     checks = []
+    items_checks = {}       # row: what to check after it (every element copied, every flag published)
     for mb in a.mb:
         n = (mb << 20) // 16
         src, dst = cp.ones(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
         rows.append((f"copy {mb} MiB", lambda s=src, d=dst, n=n: copy((grid,), (256,), (s, d, np.int64(n)))))
         for ni in a.items:
             for mode in MODES:
-                rows.append((f"{mb} MiB, {ni} items, flag mode {mode}",
-                             lambda s=src, d=dst, n=n, ni=ni, m=mode:
-                             items((grid,), (256,), (s, d, np.int64(n), np.int64(ni), ctl, flags, np.int64(m)))))
+                k = items_warps if mode & 16 else items
+                f = (lambda k=k, s=src, d=dst, n=n, ni=ni, m=mode:
+                     k((grid,), (256,), (s, d, np.int64(n), np.int64(ni), ctl, flags, np.int64(m))))
+                rows.append((f"{mb} MiB, {ni} items, flag mode {mode}", f))
+                items_checks[len(rows) - 1] = (mb, ni, mode, dst, 4 * (n // ni) * ni, f)
         if a.pdl:
             for pdl in (False, True):
                 u, v = cp.zeros(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
@@ -214,9 +306,11 @@ def main(argv=None) -> int:
                 checks.append((mb, pdl, u, v, state))
     print(f"# ticketed items, grid {grid} x 256")
     print("| case | per call, us | back to back, us | CUDA graph, us |\n|---|---:|---:|---:|")
-    for name, f in rows:
-        print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} | {graph(f):.2f} |", flush=True)
     bad = 0
+    for r, (name, f) in enumerate(rows):
+        print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} | {graph(f):.2f} |", flush=True)
+        if r in items_checks:
+            bad += not _items_right(cp, *items_checks[r], ctl, flags)
     cp.cuda.Device().synchronize()
     for mb, pdl, u, v, state in checks:    # every launch added 1 to what the one before it wrote
         k = state["k"] + 5 * a.iters     # the graph's calls: captured once, replayed 6 times
