@@ -207,9 +207,9 @@ def launch_ex(fn, grid: int, args, pdl: bool):
     return f
 
 
-def _items_right(cp, mb, ni, mode, dst, words, f, ctl, flags) -> bool:
-    """One more call of an items row into a cleared ``dst``: the ``words`` its items cover copied,
-    and in the modes that publish, every item's flag at the call's epoch."""
+def _items_right(cp, f, mb, ni, mode, dst, words, ctl, flags) -> bool:
+    """One more call ``f`` of an items row into a cleared ``dst``: the ``words`` its items cover
+    copied, and in the modes that publish, every item's flag at the call's epoch."""
     dst.fill(0)
     f()
     cp.cuda.Device().synchronize()
@@ -279,20 +279,19 @@ def main(argv=None) -> int:
 
     ctl = cp.zeros(4, dtype=cp.uint32)
     flags = cp.full(2 * MAX_ITEMS, 0xFFFFFFFF, dtype=cp.uint32)
-    rows = [("empty launch", lambda: empty((grid,), (256,), (np.int64(0),)))]
+    # (name, the call, what to check after its timings or None)
+    rows = [("empty launch", lambda: empty((grid,), (256,), (np.int64(0),)), None)]
     checks = []
-    items_checks = {}       # row: what to check after it (every element copied, every flag published)
     for mb in a.mb:
         n = (mb << 20) // 16
         src, dst = cp.ones(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
-        rows.append((f"copy {mb} MiB", lambda s=src, d=dst, n=n: copy((grid,), (256,), (s, d, np.int64(n)))))
+        rows.append((f"copy {mb} MiB", lambda s=src, d=dst, n=n: copy((grid,), (256,), (s, d, np.int64(n))), None))
         for ni in a.items:
             for mode in MODES:
                 k = items_warps if mode & 16 else items
                 f = (lambda k=k, s=src, d=dst, n=n, ni=ni, m=mode:
                      k((grid,), (256,), (s, d, np.int64(n), np.int64(ni), ctl, flags, np.int64(m))))
-                rows.append((f"{mb} MiB, {ni} items, flag mode {mode}", f))
-                items_checks[len(rows) - 1] = (mb, ni, mode, dst, 4 * (n // ni) * ni, f)
+                rows.append((f"{mb} MiB, {ni} items, flag mode {mode}", f, (mb, ni, mode, dst, 4 * (n // ni) * ni)))
         if a.pdl:
             for pdl in (False, True):
                 u, v = cp.zeros(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
@@ -302,15 +301,16 @@ def main(argv=None) -> int:
                 def step(ping=ping, pong=pong, state=state) -> None:
                     (ping if state["k"] % 2 == 0 else pong)(cp.cuda.get_current_stream())
                     state["k"] += 1
-                rows.append((f"+1 {mb} MiB, {'programmatic dependent launch' if pdl else 'cuLaunchKernelEx'}", step))
+                rows.append((f"+1 {mb} MiB, {'programmatic dependent launch' if pdl else 'cuLaunchKernelEx'}", step,
+                             None))
                 checks.append((mb, pdl, u, v, state))
     print(f"# ticketed items, grid {grid} x 256")
     print("| case | per call, us | back to back, us | CUDA graph, us |\n|---|---:|---:|---:|")
     bad = 0
-    for r, (name, f) in enumerate(rows):
+    for name, f, check in rows:
         print(f"| {name} | {per_call(f):.2f} | {back_to_back(f):.2f} | {graph(f):.2f} |", flush=True)
-        if r in items_checks:
-            bad += not _items_right(cp, *items_checks[r], ctl, flags)
+        if check is not None:
+            bad += not _items_right(cp, f, *check, ctl, flags)
     cp.cuda.Device().synchronize()
     for mb, pdl, u, v, state in checks:    # every launch added 1 to what the one before it wrote
         k = state["k"] + 5 * a.iters     # the graph's calls: captured once, replayed 6 times
