@@ -29,14 +29,15 @@ import fused_solo as fs
 from echonccl import fused
 
 CARVEOUT = 9          # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (cuda.h)
-VARIANTS = ("arm", "ahead", "f100", "both", "ahead100", "l1")
-#          name: (fused kernels' carveout, arm kernel's, armed once for all calls)
+# name: (fused kernels' carveout, arm kernel's, armed once for all calls), in the order timed
 SETTINGS = {"arm": (-1, -1, False), "ahead": (-1, -1, True), "f100": (100, -1, False),
             "both": (100, 100, False), "ahead100": (100, -1, True), "l1": (-1, 0, False)}
+VARIANTS = tuple(SETTINGS)
 
 
 def probe(ranks, sizes, kernels, iters: int, reps: int) -> dict:
-    """``{(P, nbytes, kernel, variant): [us per rep]}`` and fused_solo's results."""
+    """``(times, results)``: ``times[(P, nbytes, kernel, variant)]`` the variant's us per rep,
+    ``results`` `fused_solo.run_solo`'s (each case's first-call check)."""
     cu = ctypes.CDLL("libcuda.so.1")
     launched = set()
     init = fused._Launch.__init__
