@@ -111,12 +111,14 @@ def test_smollm2_quick(tmp_path):
     plain = rows[f"plain 4-bit two_shot {g}"]
     for algo in ("two_shot", "ring"):
         echo = rows[f"echonccl {algo} {g}"]
-        assert echo["agree"] >= plain["agree"], (algo, echo, plain)
+        # which prediction sits on a near-tie depends on the CPU's float32 BLAS, so agreement
+        # comparisons allow one flipped prediction of 126; the hidden-state error stays strict
+        assert echo["hidden_err"] < plain["hidden_err"], (algo, echo, plain)
+        assert echo["agree"] >= plain["agree"] - 1.0 / n, (algo, echo, plain)
         assert echo["ppl"] < plain["ppl"], (algo, echo, plain)
         flush, two = rows[f"echonccl {algo} {g} + flush"], rows[f"echonccl {algo} {g} x2"]
         # the flush removes what the streams still carry: less hidden-state error, and agreement
-        # and perplexity no worse beyond what one near-tie flips among 126 predictions (which
-        # prediction sits on a tie depends on the CPU's float32 BLAS, so one flip is allowed)
+        # and perplexity no worse beyond one near-tie
         assert flush["hidden_err"] < echo["hidden_err"], (algo, flush, echo)
         assert flush["agree"] >= echo["agree"] - 1.0 / n, (algo, flush, echo)
         assert flush["ppl"] < echo["ppl"] * 1.005, (algo, flush, echo)
