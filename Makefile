@@ -19,15 +19,17 @@ setup: $(VENV)/.installed
 # The CI command: the type check and every test but the long `slow` runs (multi-rank ones under
 # mpiexec, several checks a launch; the wheel; nvcc compiles: one compile per run, kept by
 # fingerprint in build/nvcc-cache). Every multi-rank check runs at 3 ranks, and at 2 but for the
-# faults (a rank that fails or goes silent) and the codecs that are not the default (test-all).
+# faults (a rank that fails or goes silent), determinism across launches and the codecs that are
+# not the default (test-all).
 test: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra -m "not slow"
 
 # Everything, the `slow` runs included: the multi-rank checks again at 4 ranks (tests/test_multirank.py,
-# tests/test_properties.py) and telescoping at 8, oversubscribing the cores; the faults and other
-# codecs at 2 ranks; ThreadSanitizer on every loop; every kernel of the table compiled to PTX, with
-# and without fast math (CI: a pairwise cover of the table).
+# tests/test_properties.py) and telescoping at 8, oversubscribing the cores; the faults, determinism
+# and other codecs at 2 ranks; ThreadSanitizer on every loop; the host-run fused kernels' other
+# residual and data types at 3 ranks; every kernel of the table compiled to PTX, with and without
+# fast math (CI: a pairwise cover of the table).
 test-all: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra
