@@ -27,9 +27,9 @@ test: setup corpus
 
 # Everything, the `slow` runs included: the multi-rank checks again at 4 ranks (tests/test_multirank.py,
 # tests/test_properties.py) and telescoping at 8, oversubscribing the cores; the faults, determinism
-# and other codecs at 2 ranks; ThreadSanitizer on every loop; the host-run fused kernels' other
-# residual and data types at 3 ranks; every kernel of the table compiled to PTX, with and without
-# fast math (CI: a pairwise cover of the table).
+# and other codecs at 2 ranks; ThreadSanitizer on every loop (CI: on the staging helpers); the
+# host-run fused kernels' other residual and data types at 3 ranks; every kernel of the table
+# compiled to PTX, with and without fast math (CI: a pairwise cover of the table).
 test-all: setup corpus
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra

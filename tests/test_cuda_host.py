@@ -1,7 +1,8 @@
 """cuda_src's device code run on the CPU: its headers made host C++ (tests/host/hostify.py: the
 inline PTX interpreted by tests/host/warp_host.h, a warp as 32 threads, `__syncwarp` a barrier),
-compiled with the host compiler, under ThreadSanitizer where the compiler has it (a lane reading
-shared memory before its warp's barrier is a reported race):
+compiled with the host compiler, under ThreadSanitizer where the compiler has it (the staging
+helpers in every run, the loops in make test-all; a lane reading shared memory before its warp's
+barrier is a reported race):
 
 * staging_check.cpp: the 16-element loops' staging helpers, aligned and at every shift off 16-byte
   alignment: what each lane reads, which bytes a store writes (buffers against PROT_NONE pages);
@@ -104,18 +105,14 @@ def test_loops_at_a_shift_write_what_the_aligned_loops_write(headers):
 
 
 def _phase_cases() -> list:
-    """(kernel, dtype, residual, sanitize): ThreadSanitizer on bfloat16 loops with residuals of its
-    type, in every CI run on the whole kernel's shared-memory ring; in make test-all (`slow`) also
-    on the shifted twin's ring (27 s of a 2-core runner), on the any-count twin (the whole kernel's
-    ring with a partial block) and on the general kernel (8-element loops, no ring), which CI runs
-    without it."""
+    """(kernel, dtype, residual, sanitize): every kernel's phases in every CI run; in make test-all
+    (`slow`) also under ThreadSanitizer (bfloat16, residuals of its type: the shared-memory rings
+    of the whole kernel, its any-count twin and the shifted twin, and the general kernel's
+    8-element loops; 20-27 s each on a 2-core runner)."""
     cases: list = []
     for k in ("general", "shift", "whole", "any"):
-        cases += [(k, "f16", "input", False), (k, "bf16", "int8", False)]
-        if k == "whole":
-            cases.append((k, "bf16", "input", True))
-        else:
-            cases += [(k, "bf16", "input", False), pytest.param(k, "bf16", "input", True, marks=pytest.mark.slow)]
+        cases += [(k, "f16", "input", False), (k, "bf16", "int8", False), (k, "bf16", "input", False),
+                  pytest.param(k, "bf16", "input", True, marks=pytest.mark.slow)]
     return cases
 
 
