@@ -188,9 +188,9 @@ def _hashes(stdout: str) -> list[str]:
     return sorted(line for line in stdout.splitlines() if line.startswith("HASH "))
 
 
-# 3 ranks in every CI run, 2 in make test-all (`slow`: 7 s of a 2-core runner; the same code)
+# as the faults: 3 ranks in every CI run, 2 in make test-all (7 s of a 2-core runner; the same code)
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("n", FAULT_RANKS)
 def test_deterministic_across_ranks_runs_and_launches(n):
     runs = [run_check(n, "determinism") for _ in range(2)]
     for res in runs:
